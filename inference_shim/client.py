@@ -1,0 +1,125 @@
+"""Thin, stateless clients of one inference server: every call has a timeout and raises on HTTP errors.
+
+    client = ShimClient("http://127.0.0.1:8000", token="...")
+    client.health(); client.request_weight_update(WeightUpdateRequest(...))
+
+`ShimClient` (sync, httpx) serves the trainer and tools; `AsyncShimClient` serves the actor's event loop.
+Both speak only the wire models of inference_shim.protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from inference_shim.protocol import (
+    Capabilities,
+    DebugState,
+    HealthResponse,
+    InitProcessGroupRequest,
+    InitProcessGroupResponse,
+    WeightUpdateAccepted,
+    WeightUpdateRequest,
+)
+
+
+class ShimError(RuntimeError):
+    """A server answered with an error status; `status` and `error` come from its ErrorResponse."""
+
+    def __init__(self, url: str, status: int, error: str, detail: str | None) -> None:
+        super().__init__(f"{url} answered {status} {error}: {detail}")
+        self.url = url
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+def _raise_for(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            body = response.json()
+            error, detail = body.get("error", "error"), body.get("detail")
+        except ValueError:
+            error, detail = "error", response.text[:500]
+        raise ShimError(str(response.url), response.status_code, str(error), detail)
+    return response.json()
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class ShimClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _get(self, path: str) -> Any:
+        return _raise_for(self._http.get(path))
+
+    def _post(self, path: str, body: dict | None, timeout_s: float | None = None) -> Any:
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        return _raise_for(self._http.post(path, json=body or {}, timeout=timeout))
+
+    def health(self) -> HealthResponse:
+        response = self._http.get("/health")
+        if response.status_code not in (200, 503):
+            _raise_for(response)
+        return HealthResponse.model_validate(response.json())
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities.model_validate(self._get("/capabilities"))
+
+    def debug_state(self) -> DebugState:
+        return DebugState.model_validate(self._get("/debug/state"))
+
+    def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
+        # The server answers once it joined (or failed) within req.timeout_s: wait a little longer.
+        return InitProcessGroupResponse.model_validate(
+            self._post("/init_process_group", req.model_dump(), req.timeout_s + 15)
+        )
+
+    def request_weight_update(self, req: WeightUpdateRequest) -> WeightUpdateAccepted:
+        return WeightUpdateAccepted.model_validate(self._post("/request_weight_update", req.model_dump()))
+
+    def destroy_process_group(self) -> None:
+        self._post("/destroy_process_group", None)
+
+    def chat(self, messages: list[dict], **params: Any) -> dict:
+        return self._post("/v1/chat/completions", {"messages": messages, **params})
+
+    def completion(self, prompt: str | list[int], **params: Any) -> dict:
+        return self._post("/v1/completions", {"prompt": prompt, **params})
+
+
+class AsyncShimClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=_headers(token), timeout=timeout_s, limits=limits
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def health(self) -> HealthResponse:
+        response = await self._http.get("/health", timeout=5.0)
+        if response.status_code not in (200, 503):
+            _raise_for(response)
+        return HealthResponse.model_validate(response.json())
+
+    async def debug_state(self) -> DebugState:
+        return DebugState.model_validate(_raise_for(await self._http.get("/debug/state", timeout=5.0)))
+
+    async def chat(self, messages: list[dict], **params: Any) -> dict:
+        return _raise_for(
+            await self._http.post("/v1/chat/completions", json={"messages": messages, **params})
+        )
+
+    async def completion(self, prompt: str | list[int], **params: Any) -> dict:
+        return _raise_for(await self._http.post("/v1/completions", json={"prompt": prompt, **params}))

@@ -1,0 +1,266 @@
+"""Wire models of the inference contract, shared by the server (inference_shim) and every client.
+
+Torch-free and vLLM-free on purpose: the actor, the trainer-side weight sender and outside tools import
+this module without pulling an engine. docs/contract.md is the prose version of this file; keep them in
+step and bump CONTRACT_VERSION on any incompatible change.
+
+Weight-update ordering (who does what, in which order):
+  1. trainer (rank 0) hosts a TCPStore and its half of the process group; in parallel it POSTs
+     /init_process_group to every server, whose workers join as ranks rank_offset..rank_offset+n-1.
+  2. per update, trainer POSTs /request_weight_update(version, tensors, bucket_bytes) to every server.
+     Each server validates (names, shapes, dtypes, version) BEFORE any collective and answers 200 or 4xx.
+     On 200 the server's workers wait in a background thread for the decision key in the store.
+  3. trainer writes store key decision_key(version) = "go" if every server accepted, else "abort".
+     On "go" it broadcasts the buckets planned by plan_buckets(); servers receive into staging buffers
+     while they keep generating.
+  4. each server applies the staged tensors (a short pause), resets its prefix cache, publishes the new
+     version, and writes result_key(version, server_id) = UpdateResult JSON. The trainer waits for every
+     result key (deadline) and raises naming any server that failed or stayed silent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CONTRACT_VERSION = "1.0"
+
+# Bytes per element of every dtype the weight transfer accepts (the torch dtype name without "torch.").
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+# Every tensor inside a bucket starts at a multiple of this many bytes so that a typed view of the
+# flat uint8 buffer is aligned for any dtype and for vectorized copies.
+BUCKET_ALIGN_BYTES = 64
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+class _Strict(BaseModel):
+    """Requests reject unknown fields: a typo in a client is a 422, not a silently ignored option."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weight-transfer group
+# ----------------------------------------------------------------------------------------------------
+class InitProcessGroupRequest(_Strict):
+    master_address: str = Field(description="Host of the trainer's TCPStore (rank 0).")
+    master_port: int = Field(ge=1, le=65535, description="Port of the trainer's TCPStore.")
+    rank_offset: int = Field(ge=1, description="Rank of this server's first worker; the trainer is rank 0.")
+    world_size: int = Field(ge=2, description="Trainer + all workers of all servers in the group.")
+    backend: Literal["gloo", "nccl"] = Field(description="gloo on CPU, nccl on GPU.")
+    group_name: str = Field(
+        default="weights", min_length=1, description="Namespace of the group's store keys."
+    )
+    server_id: str = Field(
+        min_length=1, description="Name the trainer uses for this server in errors and keys."
+    )
+    timeout_s: float = Field(default=120.0, gt=0, le=3600, description="Deadline to join and per collective.")
+
+
+class InitProcessGroupResponse(BaseModel):
+    status: Literal["joined"] = "joined"
+    ranks: list[int]
+    join_seconds: float
+
+
+class TensorMeta(_Strict):
+    name: str = Field(
+        min_length=1, description="Hugging Face checkpoint name, e.g. model.layers.0.mlp.up_proj.weight"
+    )
+    dtype: str = Field(description="One of DTYPE_SIZES, e.g. float32 or bfloat16.")
+    shape: list[int]
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        value = value.removeprefix("torch.")
+        if value not in DTYPE_SIZES:
+            raise ValueError(f"dtype {value!r} is not supported; use one of {sorted(DTYPE_SIZES)}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative(cls, value: list[int]) -> list[int]:
+        if any(d < 0 for d in value):
+            raise ValueError(f"shape {value} has a negative dimension")
+        return value
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class WeightUpdateRequest(_Strict):
+    version: int = Field(
+        ge=1, description="Weight version these tensors are; must exceed the server's current one."
+    )
+    tensors: list[TensorMeta] = Field(min_length=1, description="In broadcast order.")
+    bucket_bytes: int = Field(
+        default=DEFAULT_BUCKET_BYTES, ge=1024, description="Bucket size used by plan_buckets()."
+    )
+    timeout_s: float = Field(
+        default=120.0, gt=0, le=3600, description="Deadline for the decision, transfer and apply."
+    )
+
+
+class WeightUpdateAccepted(BaseModel):
+    status: Literal["accepted"] = "accepted"
+    version: int
+    num_buckets: int
+    total_bytes: int
+
+
+class UpdateResult(BaseModel):
+    """Written by a server to result_key() once an update is applied (ok) or has failed (error)."""
+
+    server_id: str
+    version: int
+    ok: bool
+    error: str | None = None
+    receive_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    pause_seconds: float = 0.0
+    total_bytes: int = 0
+
+
+def decision_key(group_name: str, version: int) -> str:
+    return f"{group_name}/update/{version}/decision"
+
+
+def result_key(group_name: str, version: int, server_id: str) -> str:
+    return f"{group_name}/update/{version}/result/{server_id}"
+
+
+class BucketSlot(BaseModel):
+    """Where one tensor lives inside a flat uint8 bucket."""
+
+    index: int  # position in WeightUpdateRequest.tensors
+    offset: int
+    nbytes: int
+
+
+class Bucket(BaseModel):
+    nbytes: int
+    slots: list[BucketSlot]
+
+
+def plan_buckets(tensors: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Pack tensors, in order, into flat byte buckets of at most bucket_bytes each.
+
+    Sender and receivers call this with the same arguments and so agree on the layout without sending
+    it. A tensor larger than bucket_bytes gets a bucket of its own. Offsets are BUCKET_ALIGN_BYTES-aligned.
+    """
+    buckets: list[Bucket] = []
+    current: list[BucketSlot] = []
+    used = 0
+    for index, meta in enumerate(tensors):
+        offset = -(-used // BUCKET_ALIGN_BYTES) * BUCKET_ALIGN_BYTES
+        if current and offset + meta.nbytes > bucket_bytes:
+            buckets.append(Bucket(nbytes=used, slots=current))
+            current, used, offset = [], 0, 0
+        current.append(BucketSlot(index=index, offset=offset, nbytes=meta.nbytes))
+        used = offset + meta.nbytes
+    if current:
+        buckets.append(Bucket(nbytes=used, slots=current))
+    return buckets
+
+
+# ----------------------------------------------------------------------------------------------------
+# Health, capabilities, debug
+# ----------------------------------------------------------------------------------------------------
+class HealthResponse(BaseModel):
+    status: Literal["ok", "starting", "unhealthy"]
+    weight_version: int
+    detail: str | None = None
+
+
+class Capabilities(BaseModel):
+    contract_version: str = CONTRACT_VERSION
+    backend: str
+    engine_version: str
+    model: str
+    workers: int
+    transports: list[str]
+    pause_modes: list[str]
+    dtypes: list[str]
+    per_token_versions: bool
+    staged_receive: bool = Field(description="Receives while generating; pauses only to apply.")
+    max_model_len: int
+
+
+class UpdateTimings(BaseModel):
+    version: int
+    total_bytes: int
+    receive_seconds: float
+    apply_seconds: float
+    pause_seconds: float
+    finished_at: float = Field(default_factory=time.time)
+
+
+class DebugState(BaseModel):
+    weight_version: int
+    group: dict | None
+    pending_update: int | None
+    last_update: UpdateTimings | None
+    last_error: str | None
+    in_flight_requests: int
+    paused: bool
+    updates_applied: int
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    detail: str | None = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# OpenAI-compatible generation (only the fields we honour; extra OpenAI fields are accepted and ignored)
+# ----------------------------------------------------------------------------------------------------
+class VersionSpan(BaseModel):
+    """Tokens [start, end) of a completion were produced by weight version `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class _SamplingFields(BaseModel):
+    # OpenAI clients send many optional fields; unknown ones are tolerated, the ones below are honoured.
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    n: int = Field(default=1, ge=1, le=256)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] = Field(description="Text, or token ids (no chat template applied).")
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False

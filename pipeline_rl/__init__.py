@@ -1,0 +1,1 @@
+"""pipeline-rl: pipelined RL for LLMs with inflight weight updates (RL side)."""

@@ -1,0 +1,139 @@
+"""`pipeline-rl` command: one entrypoint, one subcommand per process kind.
+
+    pipeline-rl serve --model DIR [--port N] [--token T]     inference server (shim + engine)
+    pipeline-rl tiny-model --out DIR [--hidden 64 ...]       build the tiny CPU model
+    pipeline-rl --help
+
+Heavy modules (torch, vLLM) are imported inside the subcommand that needs them, so --help is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# What every engine process on a CPU box needs (see docs/decisions.md): a bounded KV cache instead of
+# ~90% of RAM, loopback addresses, no hub access, no usage reporting. Explicit settings win.
+ENGINE_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_engine_env() -> None:
+    for key, value in ENGINE_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def _set_title(name: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"pipeline-rl {name}")
+    except ImportError:
+        pass
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run an inference server (HTTP contract in front of an engine)")
+    p.add_argument("--backend", choices=["vllm", "sglang"], default="vllm")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--token", default=os.environ.get("PIPELINE_RL_TOKEN"), help="Bearer token for control routes"
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-after-update", choices=["recompute", "keep"], default="recompute")
+    p.add_argument("--log-level", default="info")
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    apply_engine_env()
+    _set_title(f"serve:{args.port}")
+    from inference_shim.server import ServeConfig, serve
+
+    cfg = ServeConfig(
+        backend=args.backend, host=args.host, port=args.port, token=args.token, log_level=args.log_level
+    )
+    engine = {
+        "model": args.model,
+        "served_model_name": args.served_model_name,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "seed": args.seed,
+    }
+    if args.backend == "vllm":
+        engine["kv_after_update"] = args.kv_after_update
+    serve(cfg, engine)
+
+
+def _add_tiny_model(sub) -> None:
+    p = sub.add_parser(
+        "tiny-model", help="build a tiny tokenizer + Qwen2-style model (offline, deterministic)"
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--max-positions", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _run_tiny_model(args: argparse.Namespace) -> None:
+    from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=args.max_positions,
+        seed=args.seed,
+    )
+    out = build_tiny_model(args.out, spec)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out} ({size / 1e6:.2f} MB of weights)")
+
+
+COMMANDS = {
+    "serve": (_add_serve, _run_serve),
+    "tiny-model": (_add_tiny_model, _run_tiny_model),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeline-rl", description="Pipelined RL for LLMs with inflight weight updates."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add, _ in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command][1](args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

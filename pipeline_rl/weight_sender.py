@@ -1,0 +1,291 @@
+"""Trainer-side weight sender: pushes the trainer's weights into every running inference server.
+
+Torch only, no vLLM. Runs on trainer rank 0 (the other trainer ranks only help gather ZeRO-3/FSDP
+shards through the `fetch` callback). Ordering contract:
+
+    sender = WeightSender(urls, token=..., backend="gloo")   # nothing happens yet
+    sender.connect()        # hosts the TCPStore, asks each server to join, joins as rank 0
+    sender.push(version, metas, fetch)   # after EVERY optimizer step; version strictly increasing
+    sender.close()
+
+push(): 1) POST /request_weight_update to every server in parallel (they validate before any
+collective); 2) if all accepted, write "go" to the decision key, else "abort" and raise naming the
+servers that refused; 3) broadcast the buckets (fetch(indices) returns full tensors for one bucket, so
+sharded trainers never materialize the whole model); 4) wait for every server's result key and raise,
+naming the server, if any failed or stayed silent past the deadline.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from inference_shim.client import ShimClient, ShimError
+from inference_shim.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    InitProcessGroupRequest,
+    TensorMeta,
+    UpdateResult,
+    WeightUpdateRequest,
+    decision_key,
+    plan_buckets,
+    result_key,
+)
+from inference_shim.transfer import (
+    WeightGroup,
+    connect_store,
+    join_group,
+    pack_bucket,
+    start_broadcast,
+    tensor_meta,
+    wait_work,
+)
+
+log = logging.getLogger("pipeline_rl.weight_sender")
+
+FetchFn = Callable[[list[int]], list[torch.Tensor]]
+
+
+class WeightPushError(RuntimeError):
+    """A push failed; `servers` names the servers at fault. The trainer must stop, not continue."""
+
+    def __init__(self, message: str, servers: list[str]) -> None:
+        super().__init__(message)
+        self.servers = servers
+
+
+@dataclass
+class PushReport:
+    version: int
+    total_bytes: int
+    num_buckets: int
+    request_seconds: float
+    broadcast_seconds: float
+    total_seconds: float
+    results: list[UpdateResult]
+
+    @property
+    def max_pause_seconds(self) -> float:
+        return max(r.pause_seconds for r in self.results)
+
+
+class WeightSender:
+    def __init__(
+        self,
+        server_urls: list[str],
+        *,
+        token: str | None = None,
+        backend: str = "gloo",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 120.0,
+        master_address: str = "127.0.0.1",
+        group_name: str = "weights",
+    ) -> None:
+        if not server_urls:
+            raise ValueError("WeightSender needs at least one server URL")
+        self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.clients = [ShimClient(u, token=token, timeout_s=min(timeout_s, 60.0)) for u in self.server_urls]
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.master_address = master_address
+        self.group_name = group_name
+        self.group: WeightGroup | None = None
+        self.target_dtype: str | None = None
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(2, len(server_urls)), thread_name_prefix="weight-sender"
+        )
+        self._buffers: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ group
+    def connect(self) -> None:
+        caps = list(self._pool.map(lambda c: c.capabilities(), self.clients))
+        dtypes = {d for c in caps for d in c.dtypes}
+        if len(dtypes) != 1:
+            raise WeightPushError(f"servers disagree on the weight dtype: {sorted(dtypes)}", self.server_urls)
+        self.target_dtype = dtypes.pop()
+        world_size = 1 + sum(c.workers for c in caps)
+        store = connect_store(
+            self.master_address, 0, is_master=True, world_size=None, timeout_s=self.timeout_s
+        )
+        offsets, next_rank = [], 1
+        for c in caps:
+            offsets.append(next_rank)
+            next_rank += c.workers
+        futures = [
+            self._pool.submit(
+                client.init_process_group,
+                InitProcessGroupRequest(
+                    master_address=self.master_address,
+                    master_port=store.port,
+                    rank_offset=offset,
+                    world_size=world_size,
+                    backend=self.backend,
+                    group_name=self.group_name,
+                    server_id=client.base_url,
+                    timeout_s=self.timeout_s,
+                ),
+            )
+            for client, offset in zip(self.clients, offsets, strict=True)
+        ]
+        try:
+            self.group = join_group(
+                store,
+                rank=0,
+                world_size=world_size,
+                backend=self.backend,
+                group_name=self.group_name,
+                timeout_s=self.timeout_s,
+            )
+        except Exception as e:
+            failed = self._failed_futures(futures) or self.server_urls
+            raise WeightPushError(
+                f"weight group did not form within {self.timeout_s:.0f}s ({e}); servers that did not join: {failed}",
+                failed,
+            ) from e
+        failed = self._failed_futures(futures)
+        if failed:
+            raise WeightPushError(f"servers failed to join the weight group: {failed}", failed)
+        log.info(
+            "weight group ready: %d servers, world size %d, store port %d",
+            len(self.clients),
+            world_size,
+            store.port,
+        )
+
+    def _failed_futures(self, futures) -> list[str]:
+        failed = []
+        for url, future in zip(self.server_urls, futures, strict=True):
+            try:
+                future.result(timeout=self.timeout_s + 20)
+            except Exception as e:
+                failed.append(f"{url} ({e})")
+        return failed
+
+    def close(self) -> None:
+        for client in self.clients:
+            try:
+                client.destroy_process_group()
+            except Exception as e:  # closing is best effort; the servers may already be gone
+                log.warning("destroy_process_group on %s failed: %s", client.base_url, e)
+            client.close()
+        self._pool.shutdown(wait=False)
+        self.group = None
+
+    # ------------------------------------------------------------------ updates
+    def metas_of(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+        """Metadata in the servers' dtype (the sender casts while packing)."""
+        metas = []
+        for name, tensor in named_tensors:
+            meta = tensor_meta(name, tensor)
+            metas.append(meta.model_copy(update={"dtype": self.target_dtype or meta.dtype}))
+        return metas
+
+    def push_tensors(self, version: int, named_tensors: list[tuple[str, torch.Tensor]]) -> PushReport:
+        """push() for weights that are already whole in memory (DDP, single process)."""
+        tensors = [t for _, t in named_tensors]
+        return self.push(version, self.metas_of(named_tensors), lambda indices: [tensors[i] for i in indices])
+
+    def push(self, version: int, metas: list[TensorMeta], fetch: FetchFn) -> PushReport:
+        group = self.group
+        if group is None:
+            raise RuntimeError("WeightSender.push before connect()")
+        start = time.perf_counter()
+        request = WeightUpdateRequest(
+            version=version, tensors=metas, bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s
+        )
+        answers = list(self._pool.map(lambda c: _try(lambda: c.request_weight_update(request)), self.clients))
+        refused = [
+            f"{url}: {err}"
+            for url, (_, err) in zip(self.server_urls, answers, strict=True)
+            if err is not None
+        ]
+        if refused:
+            group.store.set(decision_key(self.group_name, version), "abort")
+            raise WeightPushError(
+                f"weight update to version {version} refused, nothing was sent: " + "; ".join(refused),
+                [r.split(": ")[0] for r in refused],
+            )
+        request_seconds = time.perf_counter() - start
+        group.store.set(decision_key(self.group_name, version), "go")
+
+        broadcast_start = time.perf_counter()
+        buckets = plan_buckets(metas, self.bucket_bytes)
+        dtype = getattr(torch, self.target_dtype) if self.target_dtype else None
+        try:
+            in_flight = None  # (work, bucket index): bucket i is packed while bucket i-1 is on the wire
+            for i, bucket in enumerate(buckets):
+                indices = [slot.index for slot in bucket.slots]
+                full: list[torch.Tensor | None] = [None] * len(metas)
+                for index, tensor in zip(indices, fetch(indices), strict=True):
+                    full[index] = (
+                        tensor.to(dtype=dtype) if dtype is not None and tensor.dtype != dtype else tensor
+                    )
+                packed = pack_bucket(bucket, full, self._buffer(i, bucket.nbytes, group.device))
+                work = start_broadcast(group, packed)
+                if in_flight is not None:
+                    wait_work(group, in_flight[0], f"broadcasting bucket {in_flight[1]} of version {version}")
+                in_flight = (work, i)
+            if in_flight is not None:
+                wait_work(group, in_flight[0], f"broadcasting bucket {in_flight[1]} of version {version}")
+        except Exception as e:
+            raise WeightPushError(f"broadcast of version {version} failed: {e}", self.server_urls) from e
+        broadcast_seconds = time.perf_counter() - broadcast_start
+
+        results = self._collect_results(version)
+        total_bytes = sum(b.nbytes for b in buckets)
+        return PushReport(
+            version=version,
+            total_bytes=total_bytes,
+            num_buckets=len(buckets),
+            request_seconds=request_seconds,
+            broadcast_seconds=broadcast_seconds,
+            total_seconds=time.perf_counter() - start,
+            results=results,
+        )
+
+    def _buffer(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        # Two buffers, alternating: bucket i is packed into one while bucket i-1 is broadcast from the
+        # other; the broadcast of bucket i-2 (same buffer) has been waited for before we get here.
+        slot = i % 2
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffers[slot]
+
+    def _collect_results(self, version: int) -> list[UpdateResult]:
+        store = self.group.store
+        keys = {url: result_key(self.group_name, version, url) for url in self.server_urls}
+        try:
+            store.wait(list(keys.values()), dt.timedelta(seconds=self.timeout_s))
+        except Exception:
+            silent = [url for url, key in keys.items() if not store.check([key])]
+            raise WeightPushError(
+                f"no result for version {version} within {self.timeout_s:.0f}s from: {silent} (server down or stuck?)",
+                silent,
+            ) from None
+        results = [UpdateResult.model_validate_json(store.get(key)) for key in keys.values()]
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise WeightPushError(
+                f"weight update to version {version} failed on: "
+                + "; ".join(f"{r.server_id}: {r.error}" for r in failed),
+                [r.server_id for r in failed],
+            )
+        return results
+
+
+def _try(fn):
+    try:
+        return fn(), None
+    except ShimError as e:
+        return None, f"{e.status} {e.error}: {e.detail}"
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
