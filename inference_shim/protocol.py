@@ -7,20 +7,21 @@ step and bump CONTRACT_VERSION on any incompatible change.
 Weight-update ordering (who does what, in which order):
   1. trainer (rank 0) hosts a TCPStore and its half of the process group; in parallel it POSTs
      /init_process_group to every server, whose workers join as ranks rank_offset..rank_offset+n-1.
-  2. per update, trainer POSTs /request_weight_update(version, tensors, bucket_bytes) to every server.
+  2. per update, trainer POSTs /request_weight_update(version, update_id, tensors, bucket_bytes) to every server.
      Each server validates (names, shapes, dtypes, version) BEFORE any collective and answers 200 or 4xx.
      On 200 the server's workers wait in a background thread for the decision key in the store.
-  3. trainer writes store key decision_key(version) = "go" if every server accepted, else "abort".
+  3. trainer writes store key decision_key(update_id) = "go" if every server accepted, else "abort".
      On "go" it broadcasts the buckets planned by plan_buckets(); servers receive into staging buffers
      while they keep generating.
   4. each server applies the staged tensors (a short pause), resets its prefix cache, publishes the new
-     version, and writes result_key(version, server_id) = UpdateResult JSON. The trainer waits for every
+     version, and writes result_key(update_id, server_id) = UpdateResult JSON. The trainer waits for every
      result key (deadline) and raises naming any server that failed or stayed silent.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -101,6 +102,12 @@ class WeightUpdateRequest(_Strict):
     version: int = Field(
         ge=1, description="Weight version these tensors are; must exceed the server's current one."
     )
+    update_id: str = Field(
+        default_factory=lambda: uuid.uuid4().hex,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Unique per attempt: names this attempt's store keys, so a refused attempt's 'abort' "
+        "can never be read by a later attempt at the same version.",
+    )
     tensors: list[TensorMeta] = Field(min_length=1, description="In broadcast order.")
     bucket_bytes: int = Field(
         default=DEFAULT_BUCKET_BYTES, ge=1024, description="Bucket size used by plan_buckets()."
@@ -130,12 +137,16 @@ class UpdateResult(BaseModel):
     total_bytes: int = 0
 
 
-def decision_key(group_name: str, version: int) -> str:
-    return f"{group_name}/update/{version}/decision"
+def decision_key(group_name: str, update_id: str) -> str:
+    return f"{group_name}/update/{update_id}/decision"
 
 
-def result_key(group_name: str, version: int, server_id: str) -> str:
-    return f"{group_name}/update/{version}/result/{server_id}"
+def received_key(group_name: str, update_id: str, rank: int) -> str:
+    return f"{group_name}/update/{update_id}/received/{rank}"
+
+
+def result_key(group_name: str, update_id: str, server_id: str) -> str:
+    return f"{group_name}/update/{update_id}/result/{server_id}"
 
 
 class BucketSlot(BaseModel):

@@ -22,12 +22,8 @@ import threading
 import time
 import traceback
 
-from inference_shim.protocol import TensorMeta, decision_key
+from inference_shim.protocol import TensorMeta, decision_key, received_key
 from inference_shim.transfer import WeightGroup, connect_store, join_group, receive_buckets
-
-
-def received_key(group_name: str, version: int, rank: int) -> str:
-    return f"{group_name}/update/{version}/received/{rank}"
 
 
 class WeightReceiverExtension:
@@ -69,7 +65,9 @@ class WeightReceiverExtension:
         self._pr_group = group
         return rank
 
-    def pr_arm_receive(self, version: int, tensors_json: str, bucket_bytes: int, timeout_s: float) -> int:
+    def pr_arm_receive(
+        self, version: int, update_id: str, tensors_json: str, bucket_bytes: int, timeout_s: float
+    ) -> int:
         group = self._pr_group
         if group is None:
             raise RuntimeError("no weight group: call /init_process_group first")
@@ -79,7 +77,7 @@ class WeightReceiverExtension:
         self._pr_staged = None
         self._pr_thread = threading.Thread(
             target=self._pr_receive,
-            args=(group, version, metas, bucket_bytes, timeout_s),
+            args=(group, version, update_id, metas, bucket_bytes, timeout_s),
             name=f"weights-v{version}",
             daemon=True,
         )
@@ -87,11 +85,17 @@ class WeightReceiverExtension:
         return group.rank
 
     def _pr_receive(
-        self, group: WeightGroup, version: int, metas: list[TensorMeta], bucket_bytes: int, timeout_s: float
+        self,
+        group: WeightGroup,
+        version: int,
+        update_id: str,
+        metas: list[TensorMeta],
+        bucket_bytes: int,
+        timeout_s: float,
     ) -> None:
         status: dict = {"ok": False, "rank": group.rank}
         try:
-            key = decision_key(group.group_name, version)
+            key = decision_key(group.group_name, update_id)
             group.store.wait([key], _timedelta(timeout_s))
             decision = group.store.get(key).decode()
             if decision != "go":
@@ -105,7 +109,7 @@ class WeightReceiverExtension:
             status["error"] = f"{type(e).__name__}: {e}"
             status["traceback"] = traceback.format_exc(limit=3)
         finally:
-            group.store.set(received_key(group.group_name, version, group.rank), json.dumps(status))
+            group.store.set(received_key(group.group_name, update_id, group.rank), json.dumps(status))
 
     def pr_apply(self, version: int) -> float:
         staged = self._pr_staged

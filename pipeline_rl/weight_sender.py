@@ -144,12 +144,13 @@ class WeightSender:
                 timeout_s=self.timeout_s,
             )
         except Exception as e:
-            failed = self._failed_futures(futures) or self.server_urls
+            # The group's deadline has passed: give the HTTP calls only a moment to report why.
+            failed = self._failed_futures(futures, wait_s=2.0) or self.server_urls
             raise WeightPushError(
                 f"weight group did not form within {self.timeout_s:.0f}s ({e}); servers that did not join: {failed}",
                 failed,
             ) from e
-        failed = self._failed_futures(futures)
+        failed = self._failed_futures(futures, wait_s=self.timeout_s + 20)
         if failed:
             raise WeightPushError(f"servers failed to join the weight group: {failed}", failed)
         log.info(
@@ -159,11 +160,14 @@ class WeightSender:
             store.port,
         )
 
-    def _failed_futures(self, futures) -> list[str]:
+    def _failed_futures(self, futures, wait_s: float) -> list[str]:
         failed = []
+        deadline = time.monotonic() + wait_s
         for url, future in zip(self.server_urls, futures, strict=True):
             try:
-                future.result(timeout=self.timeout_s + 20)
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                failed.append(f"{url} (no answer to /init_process_group)")
             except Exception as e:
                 failed.append(f"{url} ({e})")
         return failed
@@ -207,13 +211,13 @@ class WeightSender:
             if err is not None
         ]
         if refused:
-            group.store.set(decision_key(self.group_name, version), "abort")
+            group.store.set(decision_key(self.group_name, request.update_id), "abort")
             raise WeightPushError(
                 f"weight update to version {version} refused, nothing was sent: " + "; ".join(refused),
                 [r.split(": ")[0] for r in refused],
             )
         request_seconds = time.perf_counter() - start
-        group.store.set(decision_key(self.group_name, version), "go")
+        group.store.set(decision_key(self.group_name, request.update_id), "go")
 
         broadcast_start = time.perf_counter()
         buckets = plan_buckets(metas, self.bucket_bytes)
@@ -238,7 +242,7 @@ class WeightSender:
             raise WeightPushError(f"broadcast of version {version} failed: {e}", self.server_urls) from e
         broadcast_seconds = time.perf_counter() - broadcast_start
 
-        results = self._collect_results(version)
+        results = self._collect_results(version, request.update_id)
         total_bytes = sum(b.nbytes for b in buckets)
         return PushReport(
             version=version,
@@ -260,9 +264,9 @@ class WeightSender:
             self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._buffers[slot]
 
-    def _collect_results(self, version: int) -> list[UpdateResult]:
+    def _collect_results(self, version: int, update_id: str) -> list[UpdateResult]:
         store = self.group.store
-        keys = {url: result_key(self.group_name, version, url) for url in self.server_urls}
+        keys = {url: result_key(self.group_name, update_id, url) for url in self.server_urls}
         try:
             store.wait(list(keys.values()), dt.timedelta(seconds=self.timeout_s))
         except Exception:

@@ -41,6 +41,7 @@ from inference_shim.protocol import (
     WeightUpdateAccepted,
     WeightUpdateRequest,
     plan_buckets,
+    received_key,
     result_key,
 )
 
@@ -329,7 +330,7 @@ class VllmBackend(Backend):
             ranks = await self.engine.collective_rpc(
                 "pr_arm_receive",
                 timeout=30,
-                args=(req.version, tensors_json, req.bucket_bytes, req.timeout_s),
+                args=(req.version, req.update_id, tensors_json, req.bucket_bytes, req.timeout_s),
             )
         except Exception as e:
             self.pending = None
@@ -341,14 +342,12 @@ class VllmBackend(Backend):
         )
 
     async def _finish_update(self, req: WeightUpdateRequest, ranks: list[int]) -> None:
-        from inference_shim.vllm_worker import received_key
-
         group_name = self.group["group_name"]
         server_id = self.group["server_id"]
         result = UpdateResult(server_id=server_id, version=req.version, ok=False)
         applying = False
         try:
-            keys = [received_key(group_name, req.version, r) for r in ranks]
+            keys = [received_key(group_name, req.update_id, r) for r in ranks]
             await asyncio.to_thread(self.store.wait, keys, dt.timedelta(seconds=req.timeout_s))
             statuses = [json.loads(self.store.get(k)) for k in keys]
             failed = [s for s in statuses if not s["ok"]]
@@ -402,7 +401,7 @@ class VllmBackend(Backend):
             store = self.store
             if store is not None:
                 await asyncio.to_thread(
-                    store.set, result_key(group_name, req.version, server_id), result.model_dump_json()
+                    store.set, result_key(group_name, req.update_id, server_id), result.model_dump_json()
                 )
 
     async def _pause(self) -> None:

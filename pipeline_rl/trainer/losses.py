@@ -1,0 +1,284 @@
+"""RL objectives of the trainer: PipelineRL's simplified GRPO (default), PPO-clip and DAPO, with optional
+KL-to-reference (k3) and entropy terms. docs/objectives.md has the formulas in prose.
+
+Everything here is a pure function of per-token tensors, so the objectives are tested on hand-worked
+numbers (tests/test_losses.py) and the trainer only has to line tensors up:
+
+    logits = model(input_ids).logits[:, :-1]                  # position t predicts token t+1
+    new_lp = token_logprobs(logits, input_ids[:, 1:])
+    loss, metrics = rl_loss(new_lp, old_lp[:, 1:], adv[:, 1:], mask[:, 1:], cfg,
+                            seq_ids=seq_ids[:, 1:], num_sequences=..., num_tokens=...)
+
+Normalization and gradient accumulation: the loss of one micro-batch is its share of the loss of the whole
+optimizer step. Pass `num_sequences` / `num_tokens` counted over EVERY micro-batch of the step (use
+`trained_counts` on each and sum) and the accumulated gradient equals the gradient of one big batch.
+Under DDP, which averages gradients over W ranks, multiply each rank's loss by W (the counts are the
+counts of all ranks together). A sequence must never be split across micro-batches: its per-sequence
+token count is local.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Algorithm defaults applied when a field is left at None: the published values of each method.
+DEFAULT_IS_CAP = 5.0
+DEFAULT_CLIP_EPS = {"ppo": (0.2, None), "dapo": (0.2, 0.28)}  # None: high = low (symmetric clip)
+DEFAULT_NORMALIZE: dict[str, Literal["sequence", "token"]] = {
+    "grpo": "sequence",
+    "ppo": "sequence",
+    "dapo": "token",
+}
+
+
+class AlgoConfig(BaseModel):
+    """Which RL objective the trainer optimizes. Fields left at None take the algorithm's default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["grpo", "ppo", "dapo"] = Field(
+        "grpo", description="Objective: simplified GRPO (REINFORCE + truncated IS), PPO-clip, or DAPO."
+    )
+    is_cap: float | None = Field(
+        None, description="grpo only: cap of the importance weight exp(new - old); None means 5.0."
+    )
+    clip_eps_low: float | None = Field(
+        None, description="ppo/dapo: ratio is clipped below at 1 - clip_eps_low; None means 0.2."
+    )
+    clip_eps_high: float | None = Field(
+        None, description="ppo/dapo: ratio is clipped above at 1 + clip_eps_high; None: ppo = low, dapo 0.28."
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to reference logprobs; 0 = off.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus; 0 = off.")
+    normalize: Literal["sequence", "token"] | None = Field(
+        None, description="Loss normalization; None means sequence for grpo/ppo, token for dapo."
+    )
+
+    @model_validator(mode="after")
+    def _resolve_defaults(self) -> AlgoConfig:
+        if self.name == "grpo":
+            if self.clip_eps_low is not None or self.clip_eps_high is not None:
+                raise ValueError(
+                    "algo.clip_eps_low/clip_eps_high only apply to ppo and dapo; grpo truncates the "
+                    "importance weight with algo.is_cap instead. Remove them or set algo.name=ppo|dapo."
+                )
+            if self.is_cap is None:
+                self.is_cap = DEFAULT_IS_CAP
+            if self.is_cap <= 0:
+                raise ValueError(f"algo.is_cap must be > 0 (got {self.is_cap}); the usual value is 5.0.")
+        else:
+            if self.is_cap is not None:
+                raise ValueError(
+                    f"algo.is_cap only applies to grpo; {self.name} clips the ratio with "
+                    "algo.clip_eps_low/clip_eps_high instead. Remove is_cap or set algo.name=grpo."
+                )
+            default_low, default_high = DEFAULT_CLIP_EPS[self.name]
+            if self.clip_eps_low is None:
+                self.clip_eps_low = default_low
+            if self.clip_eps_high is None:
+                self.clip_eps_high = default_high if default_high is not None else self.clip_eps_low
+            if not 0.0 < self.clip_eps_low < 1.0:
+                raise ValueError(
+                    f"algo.clip_eps_low must be in (0, 1) so that 1 - clip_eps_low stays positive "
+                    f"(got {self.clip_eps_low}); typical values are 0.1-0.3."
+                )
+            if self.clip_eps_high <= 0.0:
+                raise ValueError(f"algo.clip_eps_high must be > 0 (got {self.clip_eps_high}).")
+            if self.name == "dapo" and self.clip_eps_high < self.clip_eps_low:
+                raise ValueError(
+                    f"dapo's clip-higher needs algo.clip_eps_high >= algo.clip_eps_low (got "
+                    f"{self.clip_eps_high} < {self.clip_eps_low}); swap them or use algo.name=ppo."
+                )
+        if self.normalize is None:
+            self.normalize = DEFAULT_NORMALIZE[self.name]
+        return self
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels[..., t] | logits[..., t, :]) in float32, shape of `labels`.
+
+    The caller shifts (logits of position t score token t+1). Negative labels (e.g. -100 "ignore") get a
+    finite placeholder value, which the loss mask must remove.
+    """
+    logits = logits.float()  # bf16 log-softmax over a large vocabulary loses the precision IS ratios need
+    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at every position, float32, shape logits.shape[:-1]."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    # -inf logits (banned tokens) have p = 0; replace them so 0 * -inf does not turn into NaN.
+    finite = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
+    return torch.logsumexp(logits, dim=-1) - (probs * finite).sum(dim=-1)
+
+
+def _sequence_index(mask: torch.Tensor, seq_ids: torch.Tensor | None) -> torch.Tensor:
+    """Compact per-token sequence index 0..S-1. Without seq_ids every row of the batch is one sequence."""
+    if seq_ids is None:
+        if mask.dim() == 1:
+            return torch.zeros_like(mask, dtype=torch.long)
+        rows = torch.arange(mask.shape[0], device=mask.device).view(-1, *([1] * (mask.dim() - 1)))
+        return rows.expand_as(mask).contiguous()
+    if seq_ids.shape != mask.shape:
+        raise ValueError(
+            f"seq_ids has shape {tuple(seq_ids.shape)}, mask {tuple(mask.shape)}; they must match"
+        )
+    return torch.unique(seq_ids, return_inverse=True)[1]
+
+
+def trained_counts(mask: torch.Tensor, seq_ids: torch.Tensor | None = None) -> tuple[int, int]:
+    """(sequences with at least one trained token, trained tokens) of one micro-batch.
+
+    Sum these over every micro-batch (and rank) of an optimizer step to get `num_sequences`/`num_tokens`.
+    """
+    mask = mask.bool()
+    seq = _sequence_index(mask, seq_ids)
+    num_sequences = int(torch.unique(seq[mask]).numel())
+    return num_sequences, int(mask.sum())
+
+
+def _normalization_weights(
+    mask: torch.Tensor,
+    normalize: Literal["sequence", "token"],
+    seq_ids: torch.Tensor | None,
+    num_sequences: int | None,
+    num_tokens: int | None,
+) -> torch.Tensor:
+    """Per-token weight w_t such that loss = sum_t w_t * term_t (0 on untrained tokens)."""
+    local_sequences, local_tokens = trained_counts(mask, seq_ids)
+    maskf = mask.float()
+    if normalize == "token":
+        denom = local_tokens if num_tokens is None else num_tokens
+        if denom < local_tokens:
+            raise ValueError(
+                f"num_tokens={num_tokens} is smaller than the {local_tokens} trained tokens of this "
+                "micro-batch; it must count the trained tokens of the whole optimizer step"
+            )
+        return maskf / max(denom, 1)
+    denom = local_sequences if num_sequences is None else num_sequences
+    if denom < local_sequences:
+        raise ValueError(
+            f"num_sequences={num_sequences} is smaller than the {local_sequences} trained sequences of "
+            "this micro-batch; it must count the trained sequences of the whole optimizer step"
+        )
+    seq = _sequence_index(mask, seq_ids).reshape(-1)
+    lengths = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, device=mask.device)
+    lengths.index_add_(0, seq, maskf.reshape(-1))
+    per_token = maskf.reshape(-1) / lengths.clamp(min=1.0)[seq] / max(denom, 1)
+    return per_token.view_as(maskf)
+
+
+def rl_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgoConfig,
+    *,
+    seq_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    num_sequences: int | None = None,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The RL loss of one micro-batch (a scalar with a graph to `new_logprobs` and `entropy`) and metrics.
+
+    All tensors are per token with one shape ([T] packed, or [B, T]); only `new_logprobs` and `entropy`
+    carry gradients. `mask` is 1 on trained tokens; values elsewhere may be anything (even inf).
+    `seq_ids` gives each token's sequence in a packed batch (any integers, equal within a sequence);
+    without it each row is one sequence. `num_sequences` / `num_tokens` are the counts of the whole
+    optimizer step for "sequence" / "token" normalization; None means this micro-batch's own counts.
+
+    Metrics are means over this micro-batch's trained tokens (0 when it has none); `num_tokens` and
+    `num_sequences` in the dict are the local counts, for weighting when averaging over micro-batches.
+    """
+    shape = mask.shape
+    for name, t in (
+        ("new_logprobs", new_logprobs),
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+    ):
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, mask {tuple(shape)}; they must match")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("algo.kl_coef > 0 needs ref_logprobs; compute them or set algo.kl_coef=0")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("algo.entropy_coef > 0 needs per-token entropy; pass token_entropy(logits)")
+
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=new_logprobs.device)
+    # Untrained positions may hold padding garbage or -inf; zero them BEFORE exp so neither the value nor
+    # the backward pass (which multiplies by exp(.)) can produce NaN. torch.where sends them zero gradient.
+    new = torch.where(m, new_logprobs.float(), zero)
+    old = torch.where(m, old_logprobs.detach().float(), zero)
+    adv = torch.where(m, advantages.detach().float(), zero)
+    log_ratio = new - old
+    # exp(20) ~ 5e8 is far past any cap or clip; the clamp only keeps exp finite (0 * inf = NaN when A=0).
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    ratio_d = ratio.detach()
+
+    if cfg.name == "grpo":
+        # REINFORCE with a truncated importance weight; the weight is a constant (no gradient through it).
+        weight = ratio_d.clamp(max=cfg.is_cap)
+        per_token = -weight * adv * new
+        truncated = m & (ratio_d > cfg.is_cap)
+        clipped = torch.zeros_like(m)
+    else:
+        low, high = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+        # Tokens whose gradient the clip removed: the ratio left the trust region in the direction the
+        # advantage pushes it.
+        clipped = m & (((adv > 0) & (ratio_d > high)) | ((adv < 0) & (ratio_d < low)))
+        truncated = torch.zeros_like(m)
+    policy_per_token = per_token
+
+    kl = None
+    if ref_logprobs is not None:
+        d = torch.where(m, ref_logprobs.detach().float(), zero) - new
+        kl = torch.exp(d) - d - 1.0  # k3: unbiased for KL(new || ref), always >= 0
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    ent = None
+    if entropy is not None:
+        ent = torch.where(m, entropy.float(), zero)
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * ent
+
+    # KL and entropy use the same normalization as the policy term, so accumulation stays exact.
+    weights = _normalization_weights(m, cfg.normalize, seq_ids, num_sequences, num_tokens)
+    loss = (weights * per_token).sum()
+
+    local_sequences, local_tokens = trained_counts(m, seq_ids)
+    policy_loss = (weights * policy_per_token.detach()).sum()
+    metrics = _metrics(m, local_tokens, log_ratio.detach(), clipped, truncated, kl, ent)
+    metrics["num_sequences"] = float(local_sequences)
+    metrics["loss"], metrics["policy_loss"] = torch.stack([loss.detach(), policy_loss]).tolist()
+    return loss, metrics
+
+
+def _metrics(
+    m: torch.Tensor,
+    n: int,
+    log_ratio: torch.Tensor,
+    clipped: torch.Tensor,
+    truncated: torch.Tensor,
+    kl: torch.Tensor | None,
+    ent: torch.Tensor | None,
+) -> dict[str, float]:
+    """Token means over the n trained tokens, read back from the device in one transfer."""
+    names = ["ratio_mean", "ess", "logprob_mismatch", "clip_frac", "truncated_frac"]
+    names += ["kl"] * (kl is not None) + ["entropy"] * (ent is not None)
+    if n == 0:
+        return {"num_tokens": 0.0, **dict.fromkeys(names, 0.0)}
+    lr = log_ratio[m].double()
+    # ESS of the raw ratios w = exp(lr): (sum w)^2 / (n sum w^2), in log space so huge ratios stay finite.
+    log_ess = 2 * torch.logsumexp(lr, 0) - torch.logsumexp(2 * lr, 0) - math.log(n)
+    values = [lr.exp().mean(), log_ess.exp(), lr.abs().mean(), clipped.sum() / n, truncated.sum() / n]
+    values += [t.detach()[m].double().mean() for t in (kl, ent) if t is not None]
+    return {"num_tokens": float(n), **dict(zip(names, torch.stack(values).tolist(), strict=True))}

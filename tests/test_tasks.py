@@ -1,0 +1,348 @@
+"""Tasks, grading and rewards (pipeline_rl/tasks). No network: datasets are written to tmp_path.
+
+    .venv/bin/python -m pytest -q tests/test_tasks.py
+
+Grading tests use real math-verify in real worker processes; the slow-grading tests inject
+`_sleepy_grade` (below) through the same pool path, or use an input math-verify cannot finish.
+Workers unpickle `_sleepy_grade` by importing this module, which pytest's default (prepend) import
+mode makes importable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from itertools import islice
+
+import datasets
+import huggingface_hub.constants
+import pytest
+from pydantic import ValidationError
+
+from pipeline_rl.tasks import (
+    ARITH_ALPHABET,
+    ArithTask,
+    Grader,
+    Problem,
+    RewardConfig,
+    TaskConfig,
+    arith_solution_text,
+    compute_reward,
+    make_task,
+)
+from pipeline_rl.tasks.arith import evaluate
+from pipeline_rl.tasks.data import DatasetNotFoundError
+from pipeline_rl.tasks.math_grading import last_boxed
+from pipeline_rl.tasks.math_tasks import MathTask
+from pipeline_rl.tasks.pool import WorkerError
+
+
+def _sleepy_grade(problem: Problem, completion_text: str) -> str:
+    """A deliberately slow grader: sleeps `float(completion_text)` seconds (runs in a pool worker)."""
+    time.sleep(float(completion_text))
+    return "correct"
+
+
+def _problem(answer: str) -> Problem:
+    return Problem(prompt_index=0, messages=[{"role": "user", "content": "?"}], answer=answer)
+
+
+def _take(task, n: int, **kwargs) -> list[Problem]:
+    return list(islice(task.problems(**kwargs), n))
+
+
+# ---------------------------------------------------------------- arith
+
+
+@pytest.mark.parametrize(
+    ("text", "grade"),
+    [
+        ("answer: -9", "correct"),
+        ("answer:-9", "correct"),
+        ("3-12 is negative.\nanswer: -9 (done)", "correct"),
+        ("answer: -9.", "correct"),
+        ("answer: 4 no wait answer: -9", "correct"),
+        ("answer: 9", "wrong"),
+        ("answer: -90", "wrong"),
+        ("answer: -9 no wait answer: 4", "wrong"),
+        ("-9", "unparseable"),
+        ("Answer: -9", "unparseable"),
+        ("answer: -9.5", "unparseable"),
+        ("answer: minus nine", "unparseable"),
+        ("", "unparseable"),
+    ],
+)
+def test_arith_grading_is_exact(text, grade):
+    assert ArithTask().grade(_problem("-9"), text) == grade
+
+
+def test_arith_evaluate_respects_precedence():
+    assert evaluate([2, 3, 4], ["+", "*"]) == 14
+    assert evaluate([2, 3, 4, 1], ["-", "*", "-"]) == -11
+    task = ArithTask(num_operands=4, max_operand=12, operators="+-*")
+    for problem in _take(task, 200, shard_index=0, num_shards=1, seed=3, split="train"):
+        assert int(problem.answer) == eval(problem.metadata["expr"])  # our own generated digits and + - *
+
+
+def test_arith_prompt_and_solution_format():
+    task = ArithTask()
+    problem = _take(task, 1, shard_index=0, num_shards=1, seed=0, split="train")[0]
+    expr = problem.metadata["expr"]
+    assert problem.messages == [{"role": "user", "content": f"What is {expr}? Reply with answer: <integer>"}]
+    assert arith_solution_text(problem) == f"answer: {problem.answer}"
+
+
+def test_arith_shards_are_disjoint_deterministic_and_independent_of_shard_count():
+    task = ArithTask()
+    shards = [_take(task, 100, shard_index=s, num_shards=3, seed=7, split="train") for s in range(3)]
+    indices = [p.prompt_index for shard in shards for p in shard]
+    assert sorted(indices) == list(range(300))
+    again = _take(task, 100, shard_index=1, num_shards=3, seed=7, split="train")
+    assert again == shards[1]
+    other_seed = _take(task, 100, shard_index=1, num_shards=3, seed=8, split="train")
+    assert [p.metadata["expr"] for p in other_seed] != [p.metadata["expr"] for p in shards[1]]
+    single = _take(task, 300, shard_index=0, num_shards=1, seed=7, split="train")
+    assert {p.prompt_index: p.metadata["expr"] for p in single} == {
+        p.prompt_index: p.metadata["expr"] for shard in shards for p in shard
+    }
+    with pytest.raises(ValueError, match="shard_index"):
+        next(task.problems(shard_index=3, num_shards=3, seed=0, split="train"))
+
+
+def test_arith_test_split_is_fixed_and_disjoint_from_train():
+    # A small space (200 expressions), so train would hit test expressions often if it did not skip them.
+    task = ArithTask(num_operands=2, max_operand=9, operators="+-", test_size=50)
+    test = [p for s in range(2) for p in task.problems(shard_index=s, num_shards=2, seed=0, split="test")]
+    assert sorted(p.prompt_index for p in test) == list(range(50))
+    test_exprs = {p.metadata["expr"] for p in test}
+    assert len(test_exprs) == 50
+    for seed in (0, 1):
+        train = _take(task, 2000, shard_index=0, num_shards=1, seed=seed, split="train")
+        assert not test_exprs & {p.metadata["expr"] for p in train}
+    # The test set depends on the difficulty only, not on the seed or the instance.
+    assert [p.metadata["expr"] for p in ArithTask(2, 9, "+-", 50).problems(0, 1, 123, "test")] == [
+        p.metadata["expr"] for p in task.problems(0, 1, 0, "test")
+    ]
+
+
+def test_arith_solutions_grade_correct_and_alphabet_covers_everything():
+    assert set(ARITH_ALPHABET) <= {chr(c) for c in range(32, 127)}  # the tiny tokenizer's printable ASCII
+    for task in (ArithTask(), ArithTask(num_operands=3, max_operand=999, operators="+-*")):
+        problems = _take(task, 300, shard_index=0, num_shards=1, seed=0, split="train")
+        problems += list(task.problems(shard_index=0, num_shards=1, seed=0, split="test"))
+        assert any(int(p.answer) < 0 for p in problems)
+        for problem in problems:
+            solution = arith_solution_text(problem)
+            assert task.grade(problem, solution) == "correct"
+            text = "".join(m["content"] for m in problem.messages) + solution
+            assert set(text) <= set(ARITH_ALPHABET), set(text) - set(ARITH_ALPHABET)
+
+
+def test_task_config_validates_arith_difficulty():
+    assert isinstance(make_task(TaskConfig()), ArithTask)
+    with pytest.raises(ValidationError, match="test_size"):
+        TaskConfig(arith_max_operand=3, test_size=100)
+    with pytest.raises(ValidationError, match="arith_operators"):
+        TaskConfig(arith_operators="+/")
+    with pytest.raises(ValidationError):
+        TaskConfig(nme="arith")  # typos are errors, not ignored
+
+
+# ---------------------------------------------------------------- math grading
+
+
+@pytest.fixture(scope="module")
+def math_task(tmp_path_factory) -> MathTask:
+    path = tmp_path_factory.mktemp("math") / "math.jsonl"
+    rows = [{"problem": f"What is {i}/2?", "solution": f"$\\boxed{{\\frac{{{i}}}{{2}}}}$"} for i in range(3)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return MathTask(dataset_path=str(path), test_size=1)
+
+
+@pytest.fixture(scope="module")
+def math_grader(math_task):
+    with Grader(math_task, timeout_s=30.0, num_workers=2) as grader:
+        yield grader
+
+
+@pytest.mark.parametrize(
+    ("gold", "text", "grade"),
+    [
+        ("1/2", "so the answer is \\boxed{0.5}.", "correct"),
+        ("0.5", "\\boxed{\\frac{1}{2}}", "correct"),
+        ("\\frac{1}{2}", "\\boxed{0.50}", "correct"),
+        ("\\frac12", "\\boxed{1/2}", "correct"),
+        ("\\{1,2\\}", "\\boxed{\\{2, 1\\}}", "correct"),
+        ("18", "first \\boxed{3}, then \\boxed{18}", "correct"),
+        ("1/2", "\\boxed{0.51}", "wrong"),
+        ("1/2", "\\boxed{2}", "wrong"),
+        ("18", "\\boxed{18} no, \\boxed{17}", "wrong"),
+        ("1/2", "the answer is 0.5", "unparseable"),
+        ("1/2", "\\boxed{}", "unparseable"),
+        ("1/2", "\\boxed{0.5", "unparseable"),
+    ],
+)
+def test_math_grading_accepts_equivalent_answers(math_grader, gold, text, grade):
+    assert math_grader.grade(_problem(gold), text) == grade
+
+
+def test_last_boxed_handles_nesting_and_escaped_braces():
+    assert last_boxed("\\boxed{\\frac{1}{\\sqrt{2}}} and \\boxed{\\{1\\}}") == "\\{1\\}"
+    assert last_boxed("\\boxed 5$ or \\fbox{6}") == "6"
+    assert last_boxed("\\boxed{1} \\boxed{2") == "1"
+    assert last_boxed("nothing") is None
+
+
+def test_math_grading_times_out_and_replaces_the_worker(math_task):
+    timeout_s = 1.0
+    with Grader(math_task, timeout_s=timeout_s, num_workers=1) as grader:
+        problem = _problem("1")
+        assert grader.grade(problem, "\\boxed{1.0}") == "correct"  # worker started and warm
+        (pid,) = grader.worker_pids()
+        start = time.monotonic()
+        # Parses at once, but comparing 9^(9^(9^9)) with 1 never finishes (sympy, inside C).
+        assert grader.grade(problem, "\\boxed{9^{9^{9^{9}}}}") == "unparseable"
+        assert time.monotonic() - start < 10 * timeout_s
+        assert grader.stats()["grade_timeouts"] == 1
+        assert grader.grade(problem, "\\boxed{2}") == "wrong"  # the pool works afterwards ...
+        assert grader.worker_pids() != [pid]  # ... with a new worker process
+
+
+def test_async_grading_does_not_block_the_event_loop(math_task):
+    with Grader(math_task, timeout_s=1.0, num_workers=1, grade_fn=_sleepy_grade) as grader:
+        assert grader.grade(_problem("x"), "0") == "correct"  # wait for the worker to start
+        with pytest.raises(WorkerError, match="could not convert"):
+            grader.grade(_problem("x"), "not a number")  # errors in the grading function propagate
+
+        async def main() -> tuple[str, str, int]:
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            tick_task = asyncio.create_task(ticker())
+            slow = await grader.grade_async(_problem("x"), "0.3")  # finishes in time
+            stuck = await grader.grade_async(_problem("x"), "60")  # killed at the timeout
+            tick_task.cancel()
+            return slow, stuck, ticks
+
+        start = time.monotonic()
+        slow, stuck, ticks = asyncio.run(main())
+        assert (slow, stuck) == ("correct", "unparseable")
+        assert time.monotonic() - start < 10  # the 60 s grade did not run to the end
+        assert ticks >= 20  # ~130 expected in 1.3 s; a blocked loop would tick about twice
+
+
+def test_arith_grades_inline_through_the_same_api():
+    task = ArithTask()
+    problem = _take(task, 1, shard_index=0, num_shards=1, seed=0, split="train")[0]
+    with Grader(task) as grader:
+        assert grader.worker_pids() == []
+        assert grader.grade(problem, arith_solution_text(problem)) == "correct"
+        assert asyncio.run(grader.grade_async(problem, "answer: x")) == "unparseable"
+
+
+# ---------------------------------------------------------------- gsm8k / math data
+
+
+def _gsm8k_rows(n: int) -> list[dict[str, str]]:
+    return [
+        {"question": f"Tom has {i} apples. How many?", "answer": f"He has {i}.\n#### {i},000"}
+        for i in range(n)
+    ]
+
+
+def test_gsm8k_loads_jsonl_and_holds_out_a_test_split(tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _gsm8k_rows(10)))
+    task = make_task(TaskConfig(name="gsm8k", dataset_path=str(path), test_size=3))
+    test = list(task.problems(shard_index=0, num_shards=1, seed=0, split="test"))
+    train = _take(task, 7, shard_index=0, num_shards=1, seed=0, split="train")
+    assert len(test) == 3
+    assert sorted(p.answer for p in test + train) == sorted(f"{i}000" for i in range(10))
+    assert "\\boxed{}" in train[0].messages[0]["content"]
+    assert task.grade(train[0], f"\\boxed{{{train[0].answer}}}") == "correct"
+    # Train iterates forever, reshuffled per epoch, with prompt indices unique over the run.
+    shard = _take(task, 21, shard_index=1, num_shards=2, seed=0, split="train")
+    assert Counter(p.metadata["row"] for p in shard) == {1: 7, 3: 7, 5: 7}
+    assert len({p.prompt_index for p in shard}) == 21
+
+
+def test_math_loads_parquet_and_extracts_boxed_answers(tmp_path):
+    rows = [  # `answer`, when present, wins over the solution's last box
+        {"problem": "Half of one?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "answer": None},
+        {"problem": "Two plus two?", "solution": "First \\boxed{3}, no: $\\boxed{4}$", "answer": None},
+        {"problem": "No answer here", "solution": "unboxed 7", "answer": None},  # skipped
+        {"problem": "Given answer", "solution": "", "answer": "x^2"},
+    ]
+    rows = [{**row, "level": f"Level {i}"} for i, row in enumerate(rows)]
+    path = tmp_path / "math.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    task = make_task(TaskConfig(name="math", dataset_path=str(path), test_size=1))
+    problems = _take(task, 2, shard_index=0, num_shards=1, seed=0, split="train")
+    problems += list(task.problems(shard_index=0, num_shards=1, seed=0, split="test"))
+    assert sorted(p.answer for p in problems) == ["4", "\\frac{1}{2}", "x^2"]
+    assert all(p.metadata["level"].startswith("Level") for p in problems)
+
+
+def test_save_to_disk_dataset_dict_keeps_its_test_split(tmp_path):
+    rows = _gsm8k_rows(6)
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[:4]), "test": datasets.Dataset.from_list(rows[4:])}
+    ).save_to_disk(str(tmp_path / "gsm8k"))
+    task = make_task(TaskConfig(name="gsm8k", dataset_path=str(tmp_path / "gsm8k")))
+    test = list(task.problems(shard_index=0, num_shards=1, seed=0, split="test"))
+    assert [p.answer for p in test] == ["4000", "5000"]
+
+
+def test_hub_cache_snapshot_is_used_without_network(tmp_path, monkeypatch):
+    # The layout huggingface_hub writes for `openai/gsm8k`: refs/main names the snapshot to use.
+    repo = tmp_path / "datasets--openai--gsm8k"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    data_dir = repo / "snapshots" / "0123abcd" / "main"
+    data_dir.mkdir(parents=True)
+    rows = _gsm8k_rows(5)
+    datasets.Dataset.from_list(rows[:3]).to_parquet(str(data_dir / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(rows[3:]).to_parquet(str(data_dir / "test-00000-of-00001.parquet"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    task = make_task(TaskConfig(name="gsm8k"))
+    assert len(list(task.problems(shard_index=0, num_shards=1, seed=0, split="test"))) == 2
+
+
+def test_missing_data_gives_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(DatasetNotFoundError, match="dataset_path"):
+        make_task(TaskConfig(name="gsm8k", dataset_path=str(tmp_path / "missing.jsonl")))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(DatasetNotFoundError, match="task.dataset_path.*DigitalLearningGmbH/MATH-lighteval"):
+        make_task(TaskConfig(name="math"))
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def test_reward_table_defaults():
+    cfg = RewardConfig()
+    assert compute_reward("correct", "stop", 10, 100, cfg) == 1.0
+    assert compute_reward("wrong", "stop", 10, 100, cfg) == 0.0
+    assert compute_reward("unparseable", "stop", 10, 100, cfg) == -0.5
+    assert compute_reward("unparseable", "length", 100, 100, cfg) == -0.5  # no length shaping by default
+
+
+def test_overlong_and_truncation_penalties():
+    cfg = RewardConfig(overlong_buffer=100, overlong_penalty=1.0, length_penalty=0.25)
+    # Penalty starts after 500 - 100 = 400 tokens and reaches 1.0 at 500.
+    assert compute_reward("correct", "stop", 400, 500, cfg) == 1.0
+    assert compute_reward("correct", "stop", 450, 500, cfg) == pytest.approx(0.5)
+    assert compute_reward("correct", "stop", 475, 500, cfg) == pytest.approx(0.25)
+    assert compute_reward("wrong", "length", 500, 500, cfg) == pytest.approx(-1.25)
+    assert compute_reward("wrong", "length", 520, 500, cfg) == pytest.approx(-1.25)  # capped at the buffer
+    half = RewardConfig(overlong_buffer=10, overlong_penalty=0.5)
+    assert compute_reward("unparseable", "stop", 98, 100, half) == pytest.approx(-0.5 - 0.4)
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        compute_reward("correct", "stop", 1, 100, RewardConfig(overlong_buffer=100))

@@ -1,0 +1,143 @@
+"""Weight sender and protocol units that need no engine: bucket planning, validation before any
+collective, and the trainer's deadline when a server never joins.
+
+The "server that never joins" is a hand-written stand-in (a tiny HTTP server that answers
+/capabilities and then hangs on /init_process_group): it injects a fault no healthy real server has.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from inference_shim.backends.base import ContractError, validate_update
+from inference_shim.protocol import BUCKET_ALIGN_BYTES, TensorMeta, WeightUpdateRequest, plan_buckets
+from pipeline_rl.weight_sender import WeightPushError, WeightSender
+
+
+def _meta(name: str, shape: list[int], dtype: str = "float32") -> TensorMeta:
+    return TensorMeta(name=name, dtype=dtype, shape=shape)
+
+
+def test_plan_buckets_packs_in_order_aligned_and_bounded():
+    metas = [_meta("a", [10]), _meta("b", [100]), _meta("c", [3]), _meta("big", [1000]), _meta("d", [1])]
+    buckets = plan_buckets(metas, bucket_bytes=512)
+    placed = [slot.index for bucket in buckets for slot in bucket.slots]
+    assert placed == [0, 1, 2, 3, 4]  # every tensor once, in order
+    for bucket in buckets:
+        for slot in bucket.slots:
+            assert slot.offset % BUCKET_ALIGN_BYTES == 0
+            assert slot.nbytes == metas[slot.index].nbytes
+        assert bucket.nbytes == bucket.slots[-1].offset + bucket.slots[-1].nbytes
+        assert bucket.nbytes <= 512 or len(bucket.slots) == 1  # only an oversized tensor exceeds the size
+    # a: 40 B at 0; b: 400 B at 64 (ends 464); c would start at the next aligned offset 512 and end
+    # past 512 -> new bucket; big (4000 B) gets its own; d cannot follow big inside 512 B -> own bucket.
+    assert [[(s.index, s.offset) for s in b.slots] for b in buckets] == [
+        [(0, 0), (1, 64)],
+        [(2, 0)],
+        [(3, 0)],
+        [(4, 0)],
+    ]
+
+
+def test_validate_update_rejects_every_bad_request_with_4xx():
+    table = {"w": ("float32", [2, 3]), "b": ("float32", [3])}
+    good = [_meta("w", [2, 3]), _meta("b", [3])]
+
+    def check(tensors, version=2, current=1, pending=None, joined=True):
+        req = WeightUpdateRequest(version=version, tensors=tensors)
+        validate_update(req, table, current, pending, joined)
+
+    check(good)  # accepted
+    cases = {
+        "no_process_group": dict(tensors=good, joined=False),
+        "update_in_progress": dict(tensors=good, pending=2),
+        "stale_version": dict(tensors=good, version=1),
+    }
+    for error, kwargs in cases.items():
+        with pytest.raises(ContractError) as e:
+            check(**kwargs)
+        assert e.value.error == error and 400 <= e.value.status < 500
+    for tensors, words in [
+        ([_meta("w", [2, 3]), _meta("x", [3]), _meta("b", [3])], "unknown tensor name"),
+        ([_meta("w", [3, 2]), _meta("b", [3])], "shape [3, 2] != expected [2, 3]"),
+        ([_meta("w", [2, 3], "bfloat16"), _meta("b", [3])], "dtype bfloat16"),
+        ([_meta("w", [2, 3])], "missing 1 tensor"),
+        ([_meta("w", [2, 3]), _meta("w", [2, 3]), _meta("b", [3])], "sent twice"),
+    ]:
+        with pytest.raises(ContractError) as e:
+            check(tensors)
+        assert e.value.status == 422 and words in e.value.detail
+
+
+def test_tensor_meta_rejects_unknown_dtype_and_negative_shape():
+    with pytest.raises(ValueError, match="not supported"):
+        _meta("w", [1], "int4")
+    with pytest.raises(ValueError, match="negative"):
+        _meta("w", [-1])
+
+
+class _NeverJoins(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = {
+            "contract_version": "1.0",
+            "backend": "stand-in",
+            "engine_version": "0",
+            "model": "m",
+            "workers": 1,
+            "transports": ["gloo"],
+            "pause_modes": ["keep"],
+            "dtypes": ["float32"],
+            "per_token_versions": True,
+            "staged_receive": True,
+            "max_model_len": 64,
+        }
+        self._send(200, body)
+
+    def do_POST(self):
+        time.sleep(30)  # accepted the call, never joins the group
+        self._send(504, {"error": "join_failed"})
+
+    def _send(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_trainer_whose_server_never_joins_raises_within_its_deadline():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NeverJoins)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    sender = WeightSender([url], backend="gloo", timeout_s=3)
+    start = time.monotonic()
+    with pytest.raises(WeightPushError) as raised:
+        sender.connect()
+    elapsed = time.monotonic() - start
+    server.shutdown()
+    assert url in str(raised.value) and raised.value.servers
+    assert elapsed < 3 + 5, f"took {elapsed:.1f}s for a 3 s deadline"
+
+
+def test_cli_help_imports_no_heavy_modules():
+    code = "import sys; from pipeline_rl import cli; cli.build_parser(); print(sorted({'torch','vllm','transformers'} & set(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "[]"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "pipeline_rl.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "serve" in help_text.stdout and "tiny-model" in help_text.stdout
