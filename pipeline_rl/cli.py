@@ -2,6 +2,10 @@
 
     pipeline-rl serve --model DIR [--port N] [--token T]     inference server (shim + engine)
     pipeline-rl tiny-model --out DIR [--hidden 64 ...]       build the tiny CPU model
+    pipeline-rl launch [key=value ...]                       a whole run (see README)
+    pipeline-rl demo                                         the CPU demo
+    pipeline-rl bench NAME                                   benchmarks (bench/)
+    pipeline-rl actor|preprocess|train --config RUN/config.json ...   one process (launcher uses these)
     pipeline-rl --help
 
 Heavy modules (torch, vLLM) are imported inside the subcommand that needs them, so --help is instant.
@@ -111,9 +115,40 @@ def _run_tiny_model(args: argparse.Namespace) -> None:
     print(f"wrote {out} ({size / 1e6:.2f} MB of weights)")
 
 
+# Subcommands whose module parses its own arguments: name -> (help, "module:function(argv)").
+PASSTHROUGH = {
+    "launch": ("start a whole run: redis, servers, trainer, preprocessors, actors", "launch.main:main"),
+    "demo": ("build + warm up the tiny model, then launch pipelined RL on arith", "launch.demo:main"),
+    "actor": ("one actor process (started by the launcher)", "pipeline_rl.actor:main"),
+    "preprocess": ("one preprocessor process (started by the launcher)", "pipeline_rl.preprocess:main"),
+    "train": (
+        "one trainer rank (run under accelerate launch by the launcher)",
+        "pipeline_rl.trainer.main:main",
+    ),
+    "bench": ("benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim", "bench.run:main"),
+}
+
+
+def _passthrough(name: str, target: str):
+    def add(sub) -> None:
+        p = sub.add_parser(name, help=PASSTHROUGH[name][0], add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def run(args: argparse.Namespace) -> None:
+        import importlib
+
+        module_name, function = target.split(":")
+        _set_title(name)
+        apply_engine_env()
+        getattr(importlib.import_module(module_name), function)(args.rest)
+
+    return add, run
+
+
 COMMANDS = {
     "serve": (_add_serve, _run_serve),
     "tiny-model": (_add_tiny_model, _run_tiny_model),
+    **{name: _passthrough(name, target) for name, (_, target) in PASSTHROUGH.items()},
 }
 
 

@@ -1,0 +1,150 @@
+"""The typed run configuration: one RunConfig, validated once at startup, passed to every process.
+
+The launcher composes conf/*.yaml with command-line overrides (launch/compose.py), validates the result
+into RunConfig, fills in what only it knows (server URLs, run directory), and writes it to
+<run_dir>/config.json. Every child process reads that file with `load_run_config` and never sees a raw
+dict. Sections owned by other modules (streams, task, reward, algo, preprocess) are imported here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline_rl.preprocess_ops import PreprocessConfig
+from pipeline_rl.streams import StreamsConfig
+from pipeline_rl.tasks import RewardConfig, TaskConfig
+from pipeline_rl.trainer.losses import AlgoConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InferenceConfig(_Section):
+    """Inference servers the launcher starts (or points at)."""
+
+    backend: Literal["vllm", "sglang"] = Field(
+        "vllm", description="Engine behind the shim; nothing else changes."
+    )
+    num_servers: int = Field(1, ge=1, description="Servers to start (one engine each).")
+    urls: list[str] = Field(
+        default_factory=list, description="Filled by the launcher; set to use running servers."
+    )
+    token: str | None = Field(
+        None, description="Bearer token for control routes (launcher makes one if unset)."
+    )
+    dtype: str = Field("float32", description="Engine weight dtype: float32 on CPU, bfloat16 on GPU.")
+    max_model_len: int = Field(256, ge=16, description="Longest prompt + completion per sequence.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences decoded at once per server.")
+    kv_after_update: Literal["recompute", "keep"] = Field(
+        "recompute", description="KV policy after an update."
+    )
+    startup_timeout_s: float = Field(300.0, gt=0, description="Deadline for a server to become healthy.")
+    weight_transport: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU, nccl on GPU.")
+
+
+class ActorConfig(_Section):
+    """Rollout generation: GRPO groups, sampling, lag control, routing."""
+
+    num_actors: int = Field(1, ge=1, description="Actor processes, each on its own shard of the prompts.")
+    attempts: int = Field(8, ge=1, description="Samples per prompt (one GRPO group).")
+    max_tokens: int = Field(32, ge=1, description="Completion token limit per sample.")
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature (logprobs are at temperature 1)."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
+    max_lag: int = Field(4, ge=0, description="Most weight versions a sample may be behind when trained on.")
+    max_buffered_groups: int = Field(64, ge=1, description="Most groups written but not yet consumed.")
+    max_in_flight_per_server: int = Field(64, ge=1, description="Concurrent requests per server.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Deadline of one generation request.")
+    all_servers_down_deadline_s: float = Field(
+        60.0, gt=0, description="Wait this long for any server, then exit."
+    )
+    stats_interval_s: float = Field(5.0, gt=0, description="Seconds between stats records.")
+    seed: int = Field(0, description="Base seed; actor i uses seed + i.")
+
+
+class TrainerConfig(_Section):
+    """The learner: strategy, optimizer, batch, checkpoints, weight push."""
+
+    strategy: Literal["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp"] = Field(
+        "ddp", description="ddp (gloo) on CPU; deepspeed_zero2/3 on CPU or GPU; fsdp on GPU."
+    )
+    num_processes: int = Field(1, ge=1, description="Trainer ranks (one partition of training_data each).")
+    learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup steps.")
+    batch_size: int = Field(32, ge=1, description="Samples per optimizer step, over all ranks.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at shutdown).")
+    resume: bool = Field(False, description="Continue from the latest checkpoint in the run directory.")
+    bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
+    push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
+    data_timeout_s: float = Field(600.0, gt=0, description="Deadline to receive the data of one step.")
+    temperature: float = Field(1.0, gt=0, description="Logits are divided by this (match the sampler).")
+    seed: int = Field(0, description="Trainer seed.")
+
+
+class EvalConfig(_Section):
+    """Held-out accuracy (greedy) measured by the launcher before and after RL."""
+
+    num_problems: int = Field(200, ge=1, description="Test problems per evaluation.")
+    max_tokens: int = Field(32, ge=1, description="Completion limit during evaluation.")
+    every_s: float = Field(0.0, ge=0, description="Also evaluate every N seconds during the run (0 = off).")
+
+
+class RunConfig(_Section):
+    """Everything one run needs. Written to <run_dir>/config.json by the launcher."""
+
+    run_dir: str = Field("runs/latest", description="Where configs, logs, checkpoints and plots go.")
+    model_path: str = Field("artifacts/tiny-arith", description="Hugging Face model directory to train.")
+    mode: Literal["pipeline", "sync"] = Field("pipeline", description="pipelined RL, or generate-then-train.")
+    seed: int = Field(0, description="Global seed.")
+    max_wall_s: float = Field(
+        0.0, ge=0, description="Stop the run after this many seconds (0 = only max_steps)."
+    )
+    num_preprocessors: int = Field(1, ge=1, description="Preprocessor processes (one consumer group).")
+    streams: StreamsConfig = Field(default_factory=lambda: StreamsConfig(backend="redis"))
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.actor.max_tokens >= self.inference.max_model_len:
+            raise ValueError(
+                f"actor.max_tokens ({self.actor.max_tokens}) must be below inference.max_model_len "
+                f"({self.inference.max_model_len}): raise max_model_len or lower max_tokens"
+            )
+        if self.preprocess.seq_length < self.inference.max_model_len:
+            raise ValueError(
+                f"preprocess.seq_length ({self.preprocess.seq_length}) must be >= inference.max_model_len "
+                f"({self.inference.max_model_len}) or long samples get truncated: raise seq_length"
+            )
+        if self.trainer.batch_size % self.actor.attempts:
+            raise ValueError(
+                f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of actor.attempts "
+                f"({self.actor.attempts}) so that steps consume whole groups"
+            )
+        if self.inference.backend == "sglang" and self.inference.weight_transport == "gloo":
+            raise ValueError("inference=sglang runs on GPU only: set inference.weight_transport=nccl")
+        return self
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read the config.json the launcher wrote (child processes call this once at startup)."""
+    return RunConfig.model_validate_json(Path(path).read_text())
