@@ -108,6 +108,11 @@ class WeightUpdateRequest(_Strict):
         description="Unique per attempt: names this attempt's store keys, so a refused attempt's 'abort' "
         "can never be read by a later attempt at the same version.",
     )
+    restore: bool = Field(
+        default=False,
+        description="The trainer restores a checkpoint after a crash: `version` may be <= the served one, "
+        "and the server then serves exactly `version`.",
+    )
     tensors: list[TensorMeta] = Field(min_length=1, description="In broadcast order.")
     bucket_bytes: int = Field(
         default=DEFAULT_BUCKET_BYTES, ge=1024, description="Bucket size used by plan_buckets()."

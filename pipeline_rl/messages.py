@@ -6,8 +6,9 @@ Every message has a `kind` literal, so a reader can decode any topic with one di
 
 Topics (see pipeline_rl/streams):
   rollouts            RolloutGroup        actor -> preprocessor
-  training_data/<r>   TrainingSample      preprocessor -> trainer rank r (one partition per rank)
+  training_data/<r>   TrainingPackage     preprocessor -> trainer rank r (one partition per rank)
   trainer_events      WeightVersionEvent  trainer -> actors (lag control), launcher (progress)
+                      PreprocessorProgress preprocessors -> actors (groups dropped count as consumed)
   stats               StatsRecord         everyone -> launcher / plots
   dead_letter         DeadLetter          any consumer that met a message it could not decode
 """
@@ -87,6 +88,39 @@ class WeightVersionEvent(BaseModel):
     time: float = Field(default_factory=time.time)
 
 
+class TrainingPackage(BaseModel):
+    """One trainer rank's share of one optimizer step, written by a preprocessor to training_data/<rank>.
+
+    Every package of a batch (one per rank) carries the same batch_id; ranks agree on which batch_id to
+    train next (rank 0 decides), so packages from several preprocessors may interleave in a partition.
+    """
+
+    kind: Literal["training_package"] = "training_package"
+    batch_id: str = Field(description="'<preprocessor_id>:<sequence>': the same on every rank's package.")
+    rank: int
+    num_ranks: int
+    micro_batches: list[list[TrainingSample]] = Field(description="Packed; padding micro-batches allowed.")
+    batch_samples: int = Field(description="Real (non-padding) samples in the whole batch, all ranks.")
+    batch_tokens: int = Field(description="Trained (masked-in) tokens in the whole batch, all ranks.")
+    batch_groups: int = Field(description="Groups in the whole batch, all ranks.")
+    created_at: float = Field(default_factory=time.time)
+
+
+class PreprocessorProgress(BaseModel):
+    """Published on trainer_events by each preprocessor: totals since the run started.
+
+    Actors count consumed groups as (groups trained) + (groups dropped here), so dropped groups
+    (e.g. DAPO dynamic sampling) never leave the actors waiting for a backlog that cannot drain.
+    """
+
+    kind: Literal["preprocessor_progress"] = "preprocessor_progress"
+    preprocessor_id: str
+    groups_in: int
+    groups_dropped: int
+    samples_out: int
+    time: float = Field(default_factory=time.time)
+
+
 class StatsRecord(BaseModel):
     kind: Literal["stats"] = "stats"
     source: str = Field(description="e.g. 'actor0', 'trainer', 'preprocessor0'.")
@@ -104,7 +138,13 @@ class DeadLetter(BaseModel):
 
 
 Message = Annotated[
-    RolloutGroup | TrainingSample | WeightVersionEvent | StatsRecord | DeadLetter,
+    RolloutGroup
+    | TrainingSample
+    | TrainingPackage
+    | WeightVersionEvent
+    | PreprocessorProgress
+    | StatsRecord
+    | DeadLetter,
     Field(discriminator="kind"),
 ]
 _message_adapter: TypeAdapter[Message] = TypeAdapter(Message)

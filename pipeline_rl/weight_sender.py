@@ -191,12 +191,22 @@ class WeightSender:
             metas.append(meta.model_copy(update={"dtype": self.target_dtype or meta.dtype}))
         return metas
 
-    def push_tensors(self, version: int, named_tensors: list[tuple[str, torch.Tensor]]) -> PushReport:
+    def push_tensors(
+        self, version: int, named_tensors: list[tuple[str, torch.Tensor]], *, restore: bool = False
+    ) -> PushReport:
         """push() for weights that are already whole in memory (DDP, single process)."""
         tensors = [t for _, t in named_tensors]
-        return self.push(version, self.metas_of(named_tensors), lambda indices: [tensors[i] for i in indices])
+        return self.push(
+            version,
+            self.metas_of(named_tensors),
+            lambda indices: [tensors[i] for i in indices],
+            restore=restore,
+        )
 
-    def push(self, version: int, metas: list[TensorMeta], fetch: FetchFn) -> PushReport:
+    def push(
+        self, version: int, metas: list[TensorMeta], fetch: FetchFn, *, restore: bool = False
+    ) -> PushReport:
+        """One update. restore=True lets `version` be <= the served one (resuming from a checkpoint)."""
         group = self.group
         if group is None:
             raise RuntimeError("WeightSender.push before connect()")

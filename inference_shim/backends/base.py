@@ -121,7 +121,7 @@ def validate_update(
         raise ContractError(
             409, "update_in_progress", f"version {pending_version} is still being received or applied"
         )
-    if req.version <= current_version:
+    if req.version <= current_version and not req.restore:
         raise ContractError(
             409,
             "stale_version",
