@@ -13,10 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline_rl.algo_config import AlgoConfig
 from pipeline_rl.preprocess_ops import PreprocessConfig
 from pipeline_rl.streams import StreamsConfig
 from pipeline_rl.tasks import RewardConfig, TaskConfig
-from pipeline_rl.trainer.losses import AlgoConfig
 
 
 class _Section(BaseModel):
@@ -65,6 +65,18 @@ class ActorConfig(_Section):
     )
     stats_interval_s: float = Field(5.0, gt=0, description="Seconds between stats records.")
     seed: int = Field(0, description="Base seed; actor i uses seed + i.")
+    request_mode: Literal["n", "per_sample"] = Field(
+        "n", description="One request with n=attempts per group, or one request per sample."
+    )
+    request_retries: int = Field(
+        5, ge=0, description="Retries of one failed request on other servers before the actor exits."
+    )
+    health_probe_interval_s: float = Field(
+        2.0, gt=0, description="How often an unhealthy server's /health is probed again."
+    )
+    trainer_wait_deadline_s: float = Field(
+        900.0, gt=0, description="Longest lag/buffer wait without trainer progress before the actor exits."
+    )
 
 
 class TrainerConfig(_Section):
@@ -137,7 +149,9 @@ class RunConfig(_Section):
                 f"({self.actor.attempts}) so that steps consume whole groups"
             )
         if self.inference.backend == "sglang" and self.inference.weight_transport == "gloo":
-            raise ValueError("inference=sglang runs on GPU only: set inference.weight_transport=nccl")
+            raise ValueError(
+                "inference=sglang runs on NVIDIA GPUs only: add platform=gpu (NCCL weight transport)"
+            )
         return self
 
     @property

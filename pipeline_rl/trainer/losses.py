@@ -23,79 +23,10 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# Algorithm defaults applied when a field is left at None: the published values of each method.
-DEFAULT_IS_CAP = 5.0
-DEFAULT_CLIP_EPS = {"ppo": (0.2, None), "dapo": (0.2, 0.28)}  # None: high = low (symmetric clip)
-DEFAULT_NORMALIZE: dict[str, Literal["sequence", "token"]] = {
-    "grpo": "sequence",
-    "ppo": "sequence",
-    "dapo": "token",
-}
+from pipeline_rl.algo_config import AlgoConfig  # noqa: E402  (re-exported: the config is torch-free)
 
-
-class AlgoConfig(BaseModel):
-    """Which RL objective the trainer optimizes. Fields left at None take the algorithm's default."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: Literal["grpo", "ppo", "dapo"] = Field(
-        "grpo", description="Objective: simplified GRPO (REINFORCE + truncated IS), PPO-clip, or DAPO."
-    )
-    is_cap: float | None = Field(
-        None, description="grpo only: cap of the importance weight exp(new - old); None means 5.0."
-    )
-    clip_eps_low: float | None = Field(
-        None, description="ppo/dapo: ratio is clipped below at 1 - clip_eps_low; None means 0.2."
-    )
-    clip_eps_high: float | None = Field(
-        None, description="ppo/dapo: ratio is clipped above at 1 + clip_eps_high; None: ppo = low, dapo 0.28."
-    )
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to reference logprobs; 0 = off.")
-    entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus; 0 = off.")
-    normalize: Literal["sequence", "token"] | None = Field(
-        None, description="Loss normalization; None means sequence for grpo/ppo, token for dapo."
-    )
-
-    @model_validator(mode="after")
-    def _resolve_defaults(self) -> AlgoConfig:
-        if self.name == "grpo":
-            if self.clip_eps_low is not None or self.clip_eps_high is not None:
-                raise ValueError(
-                    "algo.clip_eps_low/clip_eps_high only apply to ppo and dapo; grpo truncates the "
-                    "importance weight with algo.is_cap instead. Remove them or set algo.name=ppo|dapo."
-                )
-            if self.is_cap is None:
-                self.is_cap = DEFAULT_IS_CAP
-            if self.is_cap <= 0:
-                raise ValueError(f"algo.is_cap must be > 0 (got {self.is_cap}); the usual value is 5.0.")
-        else:
-            if self.is_cap is not None:
-                raise ValueError(
-                    f"algo.is_cap only applies to grpo; {self.name} clips the ratio with "
-                    "algo.clip_eps_low/clip_eps_high instead. Remove is_cap or set algo.name=grpo."
-                )
-            default_low, default_high = DEFAULT_CLIP_EPS[self.name]
-            if self.clip_eps_low is None:
-                self.clip_eps_low = default_low
-            if self.clip_eps_high is None:
-                self.clip_eps_high = default_high if default_high is not None else self.clip_eps_low
-            if not 0.0 < self.clip_eps_low < 1.0:
-                raise ValueError(
-                    f"algo.clip_eps_low must be in (0, 1) so that 1 - clip_eps_low stays positive "
-                    f"(got {self.clip_eps_low}); typical values are 0.1-0.3."
-                )
-            if self.clip_eps_high <= 0.0:
-                raise ValueError(f"algo.clip_eps_high must be > 0 (got {self.clip_eps_high}).")
-            if self.name == "dapo" and self.clip_eps_high < self.clip_eps_low:
-                raise ValueError(
-                    f"dapo's clip-higher needs algo.clip_eps_high >= algo.clip_eps_low (got "
-                    f"{self.clip_eps_high} < {self.clip_eps_low}); swap them or use algo.name=ppo."
-                )
-        if self.normalize is None:
-            self.normalize = DEFAULT_NORMALIZE[self.name]
-        return self
+__all__ = ["AlgoConfig", "rl_loss", "token_logprobs", "token_entropy", "trained_counts"]
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,386 @@
+"""`pipeline-rl launch [key=value ...] [--dry-run] [--roles ...]`: one command runs a whole RL job.
+
+    pipeline-rl launch                                   # conf/base.yaml defaults (CPU, tiny model)
+    pipeline-rl launch trainer.max_steps=50 actor.num_actors=2 inference.num_servers=2
+    pipeline-rl launch --dry-run                         # print the plan, start nothing
+    pipeline-rl launch --roles servers inference.urls=[] # only some roles (debugging, multi-node)
+
+Order, each step with a deadline: resolve + validate config -> run directory (config.json, command
+files, placement map) -> Redis (private unless streams.redis_url) -> inference servers (healthy) ->
+baseline evaluation -> trainer ranks (joined the weight group of every server) -> preprocessors ->
+actors -> supervise until the trainer finishes (or max_wall_s) -> final evaluation -> stop everything
+-> summary + plots. If any child dies, the launcher names it, prints the tail of its log, stops the
+rest and exits non-zero. SIGINT/SIGTERM stop every process (engine workers included) within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from launch.compose import ConfigError, compose
+from launch.processes import Child, ChildFailed, ProcessSpec, stop_all, wait_healthy, write_command_file
+from pipeline_rl.config import RunConfig
+
+ROLES = ("redis", "servers", "trainer", "preprocessors", "actors")
+PY = sys.executable
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Planning
+# ----------------------------------------------------------------------------------------------------
+def place_cores(cfg: RunConfig) -> dict[str, list[int] | None]:
+    """CPU placement: engines and trainer ranks on separate cores where possible.
+
+    The trainer takes the first ceil(n/2) cores (at least one), the servers share the rest (each its own
+    slice when there are enough); light processes (actors, preprocessors, redis) float. On a GPU box the
+    same split applies to host threads while CUDA_VISIBLE_DEVICES picks the devices.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {"trainer": None, **{f"server{i}": None for i in range(cfg.inference.num_servers)}}
+    trainer_cores = cores[: max(1, len(cores) // 2)]
+    server_pool = cores[len(trainer_cores) :]
+    n = cfg.inference.num_servers
+    placement: dict[str, list[int] | None] = {"trainer": trainer_cores}
+    for i in range(n):
+        if len(server_pool) >= n:
+            share = len(server_pool) // n
+            placement[f"server{i}"] = server_pool[i * share : (i + 1) * share]
+        else:
+            placement[f"server{i}"] = server_pool
+    return placement
+
+
+def plan(cfg: RunConfig, run_dir: Path, roles: set[str]) -> list[ProcessSpec]:
+    from pipeline_rl.trainer.launch_cmd import trainer_command
+
+    config_path = str(run_dir / "config.json")
+    placement = place_cores(cfg)
+    specs: list[ProcessSpec] = []
+    if "servers" in roles:
+        for i, url in enumerate(cfg.inference.urls):
+            port = int(url.rsplit(":", 1)[1])
+            cores = placement.get(f"server{i}")
+            env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} if cores else {}
+            if cfg.inference.weight_transport == "nccl":
+                env["CUDA_VISIBLE_DEVICES"] = str(i)
+            argv = [
+                PY,
+                "-m",
+                "pipeline_rl.cli",
+                "serve",
+                "--backend",
+                cfg.inference.backend,
+                "--model",
+                cfg.model_path,
+            ]
+            argv += [
+                "--port",
+                str(port),
+                "--dtype",
+                cfg.inference.dtype,
+                "--max-model-len",
+                str(cfg.inference.max_model_len),
+            ]
+            argv += ["--max-num-seqs", str(cfg.inference.max_num_seqs), "--seed", str(cfg.seed + i)]
+            if cfg.inference.backend == "vllm":
+                argv += ["--kv-after-update", cfg.inference.kv_after_update]
+            env["PIPELINE_RL_TOKEN"] = cfg.inference.token or ""
+            specs.append(ProcessSpec(f"server{i}", "servers", argv, env, cores, port, f"{url}/health"))
+    if "trainer" in roles:
+        cores = placement.get("trainer")
+        env = {"OMP_NUM_THREADS": str(len(cores))} if cores else {}
+        specs.append(ProcessSpec("trainer", "trainer", trainer_command(cfg, config_path), env, cores))
+    if "preprocessors" in roles:
+        for i in range(cfg.num_preprocessors):
+            argv = [PY, "-m", "pipeline_rl.cli", "preprocess", "--config", config_path, "--index", str(i)]
+            specs.append(ProcessSpec(f"preprocessor{i}", "preprocessors", argv, {"OMP_NUM_THREADS": "1"}))
+    if "actors" in roles:
+        for i in range(cfg.actor.num_actors):
+            argv = [PY, "-m", "pipeline_rl.cli", "actor", "--config", config_path, "--index", str(i)]
+            specs.append(ProcessSpec(f"actor{i}", "actors", argv, {"OMP_NUM_THREADS": "1"}))
+    return specs
+
+
+def resolve(cfg: RunConfig, run_dir: Path, roles: set[str]) -> RunConfig:
+    """Fill in what only the launcher knows: run dir, server URLs, token, sync-mode limits."""
+    updates: dict = {"run_dir": str(run_dir)}
+    inference = cfg.inference.model_copy()
+    if not inference.urls:
+        inference.urls = [f"http://127.0.0.1:{free_port()}" for _ in range(inference.num_servers)]
+    elif len(inference.urls) != inference.num_servers:
+        inference.num_servers = len(inference.urls)
+    inference.token = inference.token or secrets.token_hex(16)
+    updates["inference"] = inference
+    if cfg.streams.backend == "files" and cfg.streams.files_dir is None:
+        updates["streams"] = cfg.streams.model_copy(update={"files_dir": run_dir / "streams"})
+    if cfg.mode == "sync":
+        # Conventional RL with the same components: generate exactly one step's groups with the
+        # current weights, train on them, push, repeat — no overlap between generation and training.
+        groups_per_step = cfg.trainer.batch_size // cfg.actor.attempts
+        updates["actor"] = cfg.actor.model_copy(update={"max_lag": 0, "max_buffered_groups": groups_per_step})
+    return cfg.model_copy(update=updates)
+
+
+def print_plan(cfg: RunConfig, specs: list[ProcessSpec], run_dir: Path, status_port: int | None) -> None:
+    print(f"run directory: {run_dir}")
+    print(
+        f"mode: {cfg.mode}   model: {cfg.model_path}   streams: {cfg.streams.backend}   engine: {cfg.inference.backend}"
+    )
+    print(f"{'process':<16}{'role':<15}{'cores':<10}{'port':<8}command")
+    if cfg.streams.backend == "redis":
+        print(
+            f"{'redis':<16}{'redis':<15}{'-':<10}{'-':<8}{cfg.streams.redis_url or 'private redis-server (free port)'}"
+        )
+    for spec in specs:
+        cores = ",".join(map(str, spec.cores)) if spec.cores else "-"
+        print(f"{spec.name:<16}{spec.role:<15}{cores:<10}{spec.port or '-'!s:<8}cmd/{spec.name}.sh")
+    if status_port:
+        print(f"status: curl -s http://127.0.0.1:{status_port}/status")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------------
+class Launcher:
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, roles: set[str], progress_every_s: float = 10.0
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.roles = roles
+        self.progress_every_s = progress_every_s
+        self.children: list[Child] = []
+        self.redis = None
+        self.monitor = None
+        self.status_server = None
+        self.stop_requested: str | None = None
+        self.evals: dict = {}
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_requested = signal.Signals(signum).name
+
+    def run(self, status_port: int) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        started = time.time()
+        env = dict(os.environ)
+        try:
+            specs = self._prepare(env, status_port)
+            by_role = {role: [s for s in specs if s.role == role] for role in ROLES}
+            self._start(by_role["servers"], env)
+            wait_healthy(self.children, self.cfg.inference.startup_timeout_s)
+            if self._interrupted():
+                return 130
+            if by_role["servers"] and by_role["actors"]:
+                self._evaluate("before")
+            self._start(by_role["trainer"], env)
+            if by_role["trainer"]:
+                self._wait_trainer_joined()
+            self._start(by_role["preprocessors"] + by_role["actors"], env)
+            code = self._supervise()
+            if code == 0 and by_role["servers"] and by_role["actors"]:
+                self._evaluate("after")
+            return code
+        except ChildFailed as e:
+            return self._fail(e.child, str(e))
+        finally:
+            self._shutdown(started)
+
+    def _prepare(self, env: dict, status_port: int) -> list[ProcessSpec]:
+        from launch.monitor import RunMonitor, serve_status
+
+        cfg = self.cfg
+        if "redis" in self.roles and cfg.streams.backend == "redis" and not cfg.streams.redis_url:
+            from pipeline_rl.streams import RedisServer
+
+            self.redis = RedisServer(data_dir=self.run_dir / "redis").start()
+            cfg = cfg.model_copy(
+                update={"streams": cfg.streams.model_copy(update={"redis_url": self.redis.url})}
+            )
+            self.cfg = cfg
+        (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        specs = plan(cfg, self.run_dir, self.roles)
+        (self.run_dir / "cmd").mkdir(exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        for spec in specs:
+            write_command_file(spec, env, self.run_dir / "cmd" / f"{spec.name}.sh")
+        print_plan(cfg, specs, self.run_dir, status_port)
+        self.monitor = RunMonitor(cfg, self.run_dir)
+        self.status_server = serve_status(status_port, lambda: self.monitor.status(self.children))
+        return specs
+
+    def _start(self, specs: list[ProcessSpec], env: dict) -> None:
+        for spec in specs:
+            child = Child(spec, self.run_dir / "logs" / f"{spec.name}.log")
+            child.start(env)
+            self.children.append(child)
+            print(f"started {spec.name} (pid {child.proc.pid}), log: logs/{spec.name}.log", flush=True)
+
+    def _wait_trainer_joined(self) -> None:
+        """The trainer is up once every server reports a joined weight group."""
+        deadline = time.monotonic() + self.cfg.trainer.push_timeout_s + 120
+        trainer = next(c for c in self.children if c.spec.role == "trainer")
+        while time.monotonic() < deadline:
+            if trainer.poll() is not None:
+                raise ChildFailed(
+                    trainer, f"exited with code {trainer.poll()} before joining the weight group"
+                )
+            if self._interrupted():
+                return
+            states = []
+            for url in self.cfg.inference.urls:
+                try:
+                    states.append(httpx.get(f"{url}/debug/state", timeout=2).json().get("group"))
+                except (httpx.HTTPError, ValueError):
+                    states.append(None)
+            if all(states):
+                print("trainer joined the weight group of every server", flush=True)
+                return
+            time.sleep(0.5)
+        raise ChildFailed(trainer, "did not join the weight group of every server in time")
+
+    def _supervise(self) -> int:
+        last_progress = 0.0
+        deadline = time.monotonic() + self.cfg.max_wall_s if self.cfg.max_wall_s else None
+        trainer = next((c for c in self.children if c.spec.role == "trainer"), None)
+        while True:
+            if self._interrupted():
+                print(f"\n{self.stop_requested}: stopping every process", flush=True)
+                return 130
+            for child in self.children:
+                code = child.poll()
+                if code is None:
+                    continue
+                if child is trainer and code == 0:
+                    self.monitor.poll_streams()
+                    print(f"trainer finished ({self.monitor.version} steps)", flush=True)
+                    return 0
+                return self._fail(child, f"exited with code {code}")
+            if deadline is not None and time.monotonic() > deadline and trainer is not None:
+                print(
+                    f"max_wall_s={self.cfg.max_wall_s:.0f} reached: asking the trainer to checkpoint and stop",
+                    flush=True,
+                )
+                trainer.signal(signal.SIGTERM)
+                if not trainer.wait(self.cfg.trainer.push_timeout_s + 60):
+                    return self._fail(trainer, "did not stop after SIGTERM")
+                self.monitor.poll_streams()
+                return 0
+            self.monitor.poll_streams()
+            if time.monotonic() - last_progress >= self.progress_every_s:
+                self.monitor.poll_servers(self.cfg.inference.urls)
+                print(self.monitor.progress_line(), flush=True)
+                last_progress = time.monotonic()
+            time.sleep(0.5)
+
+    def _interrupted(self) -> bool:
+        return self.stop_requested is not None
+
+    def _fail(self, child: Child, what: str) -> int:
+        print(f"\nERROR: {child.name} {what}. Last lines of logs/{child.name}.log:", file=sys.stderr)
+        print(child.log_tail(), file=sys.stderr)
+        print(
+            f"(stopping every other process; full logs in {self.run_dir / 'logs'})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+    def _evaluate(self, when: str) -> None:
+        from launch.evaluate import evaluate_server
+
+        result = evaluate_server(
+            self.cfg.inference.urls[0], self.cfg.task, self.cfg.eval.num_problems, self.cfg.eval.max_tokens
+        )
+        self.evals[when] = result
+        print(
+            f"held-out accuracy {when} RL: {result['accuracy']:.1%} (weight version {result['weight_version']})",
+            flush=True,
+        )
+
+    def _shutdown(self, started: float) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        order = ["actors", "preprocessors", "trainer", "servers"]
+        stop_all(sorted(self.children, key=lambda c: order.index(c.spec.role)), grace_s=10.0)
+        if self.monitor is not None:
+            try:
+                self.monitor.poll_streams()
+            except Exception as e:  # the report must not hide the run's own result
+                print(f"(could not read the last stats: {e})", file=sys.stderr)
+            self.monitor.close()
+        if self.status_server is not None:
+            self.status_server.shutdown()
+        if self.redis is not None:
+            self.redis.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.monitor is not None and "trainer" in self.roles:
+            self._report(started)
+
+    def _report(self, started: float) -> None:
+        from launch.report import make_plots, summarize
+
+        extra = {"mode": self.cfg.mode}
+        if "before" in self.evals:
+            extra["accuracy_before"] = self.evals["before"]["accuracy"]
+        if "after" in self.evals:
+            extra["accuracy_after"] = self.evals["after"]["accuracy"]
+            extra["final_weight_version"] = self.evals["after"]["weight_version"]
+        summary = summarize(self.run_dir, started, extra)
+        plots = make_plots(self.run_dir, started)
+        print("\n=== summary ===")
+        print(json.dumps(summary, indent=2))
+        print("plots: " + ", ".join(str(p) for p in plots))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pipeline-rl launch", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="key=value or group=name (conf/)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--roles", default=",".join(ROLES), help=f"subset of {','.join(ROLES)}")
+    parser.add_argument("--status-port", type=int, default=0, help="port of GET /status (0 = free port)")
+    parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    args = parser.parse_args(argv)
+    roles = {r.strip() for r in args.roles.split(",") if r.strip()}
+    unknown = roles - set(ROLES)
+    if unknown:
+        sys.exit(f"error: unknown roles {sorted(unknown)}; allowed: {', '.join(ROLES)}")
+    try:
+        cfg = compose(args.overrides)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    if not cfg.trainer.resume and cfg.run_dir == "runs/latest":
+        cfg = cfg.model_copy(update={"run_dir": f"runs/{time.strftime('%Y%m%d-%H%M%S')}"})
+    run_dir = Path(cfg.run_dir).resolve()
+    cfg = resolve(cfg, run_dir, roles)
+    if not Path(cfg.model_path).exists() and ("servers" in roles or "trainer" in roles):
+        sys.exit(
+            f"error: model_path {cfg.model_path!r} does not exist (run `make demo` once, or point model_path at a HF model dir)"
+        )
+    status_port = args.status_port or free_port()
+    if args.dry_run:
+        print_plan(cfg, plan(cfg, run_dir, roles), run_dir, status_port)
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sys.exit(Launcher(cfg, run_dir, roles, args.progress_every).run(status_port))
+
+
+if __name__ == "__main__":
+    main()

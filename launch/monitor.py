@@ -1,0 +1,148 @@
+"""What the launcher watches while a run goes: stats and trainer events from the streams, server health,
+a one-line progress display, and `GET /status` (curl-friendly JSON aggregating every process).
+
+Everything read from the streams is also appended to <run_dir>/stats.jsonl, which the end-of-run report
+(launch/report.py) plots from.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.messages import PreprocessorProgress, StatsRecord, WeightVersionEvent
+from pipeline_rl.streams import STATS, TRAINER_EVENTS, make_reader
+
+
+class RunMonitor:
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.stats_path = run_dir / "stats.jsonl"
+        self.started = time.time()
+        self.latest: dict[str, dict] = {}  # source -> latest values
+        self.version = 0
+        self.last_event: dict | None = None
+        self.server_health: dict[str, dict] = {}
+        self._readers = [make_reader(cfg.streams, STATS), make_reader(cfg.streams, TRAINER_EVENTS)]
+        self._lock = threading.Lock()
+
+    def poll_streams(self) -> None:
+        """Drain new stats / events (non-blocking) into memory and stats.jsonl."""
+        rows = []
+        for reader in self._readers:
+            for entry in reader.read(count=1000, block_s=0):
+                message = entry.message
+                if isinstance(message, StatsRecord):
+                    row = {"type": "stats", "source": message.source, "time": message.time, **message.values}
+                    with self._lock:
+                        self.latest[message.source] = row
+                elif isinstance(message, WeightVersionEvent):
+                    row = {"type": "version", **message.model_dump(exclude={"kind"})}
+                    with self._lock:
+                        self.version = max(self.version, message.version)
+                        self.last_event = row
+                elif isinstance(message, PreprocessorProgress):
+                    row = {"type": "preprocessor", **message.model_dump(exclude={"kind"})}
+                else:
+                    continue
+                rows.append(row)
+        if rows:
+            with self.stats_path.open("a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+
+    def poll_servers(self, urls: list[str]) -> None:
+        for url in urls:
+            try:
+                health = httpx.get(f"{url}/health", timeout=2.0).json()
+            except (httpx.HTTPError, ValueError) as e:
+                health = {"status": "unreachable", "detail": str(e)}
+            with self._lock:
+                self.server_health[url] = health
+
+    def progress_line(self) -> str:
+        with self._lock:
+            trainer = self.latest.get("trainer", {})
+            actors = [v for k, v in self.latest.items() if k.startswith("actor")]
+            versions = [h.get("weight_version", "?") for h in self.server_health.values()]
+        elapsed = time.time() - self.started
+        reward = trainer.get("reward_mean", _mean(a.get("reward_mean") for a in actors))
+        lag = trainer.get("lag_max", max((a.get("lag_max") or 0 for a in actors), default=None))
+        sps = trainer.get("samples_per_s")
+        parts = [
+            f"[{elapsed:6.0f}s]",
+            f"step {self.version}/{self.cfg.trainer.max_steps}",
+            f"reward {_fmt(reward)}",
+            f"lag max {_fmt(lag, 0)}",
+            f"samples/s {_fmt(sps, 1)}",
+            f"server versions {versions}",
+        ]
+        return "  ".join(parts)
+
+    def status(self, children: list) -> dict:
+        with self._lock:
+            return {
+                "run_dir": str(self.stats_path.parent),
+                "elapsed_s": round(time.time() - self.started, 1),
+                "mode": self.cfg.mode,
+                "weight_version": self.version,
+                "max_steps": self.cfg.trainer.max_steps,
+                "processes": [
+                    {
+                        "name": c.name,
+                        "role": c.spec.role,
+                        "pid": c.proc.pid if c.proc else None,
+                        "alive": c.alive,
+                        "exit_code": c.poll(),
+                        "port": c.spec.port,
+                    }
+                    for c in children
+                ],
+                "servers": dict(self.server_health),
+                "latest_stats": dict(self.latest),
+                "last_weight_event": self.last_event,
+            }
+
+    def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if isinstance(v, int | float)]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def serve_status(port: int, snapshot: Callable[[], dict]) -> ThreadingHTTPServer:
+    """Start `GET /status` on 127.0.0.1:port in a daemon thread; returns the server (call .shutdown())."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.rstrip("/") not in ("/status", ""):
+                self.send_error(404, "try GET /status")
+                return
+            body = json.dumps(snapshot(), indent=2, default=str).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="status-http", daemon=True).start()
+    return server

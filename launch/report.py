@@ -1,0 +1,136 @@
+"""End-of-run summary and plots from <run_dir>/stats.jsonl (written by launch/monitor.py).
+
+    python -m launch.report runs/2026-11-22-120000      # re-make the plots of a finished run
+
+Plots (PNG, in the run directory): reward vs wall time, reward vs samples, lag distribution of trained
+tokens, throughput over time. The summary (summary.json) holds the figures the README quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "stats.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(rows: list[dict], source: str, key: str, x: str = "time") -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for row in rows:
+        if (
+            row.get("type") == "stats"
+            and row.get("source") == source
+            and isinstance(row.get(key), int | float)
+        ):
+            if isinstance(row.get(x), int | float):
+                xs.append(row[x])
+                ys.append(row[key])
+    return xs, ys
+
+
+def make_plots(run_dir: Path, started_at: float) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _rows(run_dir)
+    written: list[Path] = []
+
+    def save(fig, name: str) -> None:
+        path = run_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    t, reward = _series(rows, "trainer", "reward_mean")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([x - started_at for x in t], reward, marker=".", lw=1)
+    ax.set(xlabel="wall time (s)", ylabel="mean reward of trained samples", title="Reward vs wall time")
+    ax.grid(alpha=0.3)
+    save(fig, "reward_vs_time.png")
+
+    samples, reward_s = _series(rows, "trainer", "reward_mean", x="samples_total")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(samples, reward_s, marker=".", lw=1)
+    ax.set(xlabel="samples trained", ylabel="mean reward", title="Reward vs samples")
+    ax.grid(alpha=0.3)
+    save(fig, "reward_vs_samples.png")
+
+    lags = []
+    for row in rows:
+        if (
+            row.get("type") == "stats"
+            and row.get("source") == "trainer"
+            and isinstance(row.get("lag_hist"), dict)
+        ):
+            for lag, count in row["lag_hist"].items():
+                lags += [int(lag)] * int(count)
+    if not lags:
+        lags = [int(v) for _, v in zip(*_series(rows, "trainer", "lag_max"), strict=True)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if lags:
+        ax.hist(lags, bins=range(min(lags), max(lags) + 2), align="left", rwidth=0.8)
+    ax.set(xlabel="lag (weight versions)", ylabel="count", title="Lag of trained tokens")
+    save(fig, "lag_distribution.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for source, key, label in [("trainer", "samples_per_s", "trainer samples/s")]:
+        x, y = _series(rows, source, key)
+        ax.plot([v - started_at for v in x], y, lw=1, label=label)
+    actor_sources = sorted(
+        {
+            r["source"]
+            for r in rows
+            if r.get("type") == "stats" and str(r.get("source", "")).startswith("actor")
+        }
+    )
+    for source in actor_sources:
+        x, y = _series(rows, source, "samples_per_s")
+        ax.plot([v - started_at for v in x], y, lw=1, label=f"{source} samples/s")
+    ax.set(xlabel="wall time (s)", ylabel="samples/s", title="Throughput")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "throughput.png")
+    return written
+
+
+def summarize(run_dir: Path, started_at: float, extra: dict) -> dict:
+    rows = _rows(run_dir)
+    trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
+    versions = [r for r in rows if r.get("type") == "version"]
+    lag_max = max((r.get("lag_max", 0) or 0 for r in trainer), default=None)
+    mixed = sum(1 for r in trainer if (r.get("lag_max") or 0) > (r.get("lag_min") or 0))
+    summary = {
+        "run_dir": str(run_dir),
+        "wall_s": round(max((r.get("time", started_at) for r in rows), default=started_at) - started_at, 1),
+        "steps": max((r.get("version", 0) for r in versions), default=0),
+        "samples_trained": max((r.get("samples_consumed", 0) for r in versions), default=0),
+        "reward_first_steps": _mean([r.get("reward_mean") for r in trainer[:5]]),
+        "reward_last_steps": _mean([r.get("reward_mean") for r in trainer[-5:]]),
+        "lag_max": lag_max,
+        "steps_with_mixed_versions": mixed,
+        **extra,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if isinstance(v, int | float)]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+if __name__ == "__main__":
+    run = Path(sys.argv[1])
+    rows = _rows(run)
+    start = min((r.get("time", 0) for r in rows if r.get("time")), default=0)
+    for p in make_plots(run, start):
+        print(p)
