@@ -12,7 +12,7 @@ setup:
 	bash scripts/setup.sh
 
 test: setup
-	$(PY) -m pytest -x -q tests
+	$(PY) -m pytest -q --timeout=900 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests

