@@ -99,7 +99,9 @@ class ShimClient:
 class AsyncShimClient:
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 300.0) -> None:
         self.base_url = base_url.rstrip("/")
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        # Expire idle connections well before uvicorn does (5 s): reusing a connection the server is
+        # closing at that moment fails with a ReadError that no server log explains.
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=2.0)
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=_headers(token), timeout=timeout_s, limits=limits
         )

@@ -57,14 +57,18 @@ class ActorConfig(_Section):
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
     max_lag: int = Field(4, ge=0, description="Most weight versions a sample may be behind when trained on.")
-    max_buffered_groups: int = Field(64, ge=1, description="Most groups written but not yet consumed.")
+    max_buffered_groups: int = Field(
+        64, ge=1, description="Most groups started (in flight or written) but not consumed."
+    )
     max_in_flight_per_server: int = Field(64, ge=1, description="Concurrent requests per server.")
     request_timeout_s: float = Field(120.0, gt=0, description="Deadline of one generation request.")
     all_servers_down_deadline_s: float = Field(
         60.0, gt=0, description="Wait this long for any server, then exit."
     )
     stats_interval_s: float = Field(5.0, gt=0, description="Seconds between stats records.")
-    seed: int = Field(0, description="Base seed; actor i uses seed + i.")
+    seed: int = Field(
+        0, description="Seed of the prompt stream, shared by all actors so their shards stay disjoint."
+    )
     request_mode: Literal["n", "per_sample"] = Field(
         "n", description="One request with n=attempts per group, or one request per sample."
     )
@@ -95,6 +99,9 @@ class TrainerConfig(_Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at shutdown).")
     resume: bool = Field(False, description="Continue from the latest checkpoint in the run directory.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Newest checkpoints kept on disk; older ones are deleted."
+    )
     bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
     push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
     data_timeout_s: float = Field(600.0, gt=0, description="Deadline to receive the data of one step.")

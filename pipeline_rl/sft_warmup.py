@@ -45,34 +45,33 @@ def _encode(tokenizer, problem: Problem, answer_text: str | None) -> tuple[list[
     return prompt + completion, len(prompt)
 
 
-def greedy_accuracy(
-    model, tokenizer, task, problems: list[Problem], max_tokens: int = 16, batch_size: int = 100
-) -> float:
-    """Exact-match accuracy of greedy completions (transformers generate, left padding)."""
+def greedy_accuracy(model, tokenizer, task, problems: list[Problem], max_tokens: int = 16) -> float:
+    """Exact-match accuracy of greedy completions (transformers generate).
+
+    Prompts are batched by length so that no padding is needed: left padding would shift the
+    positions of a model that derives them from the sequence index.
+    """
     import torch
 
+    by_length: dict[int, list[tuple[Problem, list[int]]]] = {}
+    for problem in problems:
+        prompt = _encode(tokenizer, problem, None)[0]
+        by_length.setdefault(len(prompt), []).append((problem, prompt))
     correct = 0
     model.eval()
-    for start in range(0, len(problems), batch_size):
-        batch = problems[start : start + batch_size]
-        prompts = [_encode(tokenizer, p, None)[0] for p in batch]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+    for batch in by_length.values():
+        ids = torch.tensor([prompt for _, prompt in batch])
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids,
-                attention_mask=mask,
+                attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        for i, problem in enumerate(batch):
-            text = tokenizer.decode(out[i, width:], skip_special_tokens=True)
+        for i, (problem, _) in enumerate(batch):
+            text = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
             correct += task.grade(problem, text) == "correct"
     return correct / len(problems)
 
@@ -119,7 +118,10 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
         losses.append(loss.item())
         if len(losses) % 25 == 0:
             recent = sum(losses[-25:]) / 25
-            print(f"  warm-up step {len(losses)}/{cfg.steps}: loss {recent:.3f} ({time.monotonic() - start:.0f}s)", flush=True)
+            print(
+                f"  warm-up step {len(losses)}/{cfg.steps}: loss {recent:.3f} ({time.monotonic() - start:.0f}s)",
+                flush=True,
+            )
     seconds = time.monotonic() - start
     test = list(task.problems(shard_index=0, num_shards=1, seed=cfg.seed, split="test"))[: cfg.eval_problems]
     accuracy = greedy_accuracy(model, tokenizer, task, test)

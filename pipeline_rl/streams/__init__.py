@@ -15,6 +15,7 @@
 
     make_reader(cfg, "trainer_events").latest()          # newest message (actors: weight version)
     make_writer(cfg, "rollouts").backlog("preprocess")   # unacked entries (actors: backpressure)
+    make_writer(cfg, "rollouts").total_written()         # entries ever written by anyone (actors)
 
 Semantics, the ack and trimming rules and the files backend's limits: docs/streams.md.
 """

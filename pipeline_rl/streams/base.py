@@ -128,6 +128,13 @@ class TopicStore(ABC):
     def backlog(self, group: str) -> int:
         """Entries `group` has not acknowledged: pending + not yet delivered (all entries if no such group)."""
 
+    def total_written(self) -> int:
+        """Entries ever appended to the topic, trimmed ones included (never decreases).
+
+        Lets one writer account for the writes of all others (the actors' backlog control).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not count the entries ever written")
+
     def reconnect_count(self) -> int:
         """How many times this store lost its connection and retried (0 for backends without one)."""
         return 0
@@ -169,6 +176,10 @@ class _TopicHandle:
     def length(self) -> int:
         """Entries currently retained on the topic."""
         return self._store.length()
+
+    def total_written(self) -> int:
+        """Entries ever appended to the topic by any writer, trimmed ones included (never decreases)."""
+        return self._store.total_written()
 
     def trim(self) -> int:
         """Drop entries every consumer group has acknowledged (see docs/streams.md). Returns #dropped."""

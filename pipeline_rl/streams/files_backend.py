@@ -3,6 +3,7 @@
 Layout under `<files_dir>/<run_name>/<topic>/`:
     00000000000000000000.jsonl   segments, named by the global byte offset of their first byte
     .lock                        writers append under an exclusive flock of this file
+    .written                     entries ever appended (total_written), updated under that lock
     .groups/<group>.json         consumer-group state: {"delivered": offset, "pending": {id: ...}}
     .groups/<group>.lock         group operations run under an exclusive flock of this file
 
@@ -134,6 +135,7 @@ class FilesTopicStore(TopicStore):
             if b"\n" in p:
                 raise ValueError("a files-backend payload must not contain a newline")
         with _flock(self._lock_path, self._cfg.retry_deadline_s):
+            written_before = self._load_written()
             segs = self._segments()
             start = segs[-1] if segs else 0
             path = self._path(start)
@@ -161,11 +163,34 @@ class FilesTopicStore(TopicStore):
             finally:
                 if fd >= 0:
                     os.close(fd)
+            # After the data: a writer killed in between leaves the count short by its batch, never long.
+            self._save_written(written_before + len(payloads))
         ids, end = [], start + size
         for p in payloads:
             end += len(p) + 1
             ids.append(str(end))
         return ids
+
+    def _load_written(self) -> int:
+        try:
+            return int((self._dir / ".written").read_text())
+        except FileNotFoundError:
+            # A topic written before the counter existed: its retained entries are the best lower bound.
+            return self._count_from(0)
+
+    def _save_written(self, count: int) -> None:
+        path = self._dir / ".written"
+        tmp = path.with_name(f".written.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(str(count))
+            if self._cfg.files_fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def total_written(self) -> int:
+        with _flock(self._lock_path, self._cfg.retry_deadline_s):
+            return self._load_written()
 
     def _read_from(self, offset: int, count: int) -> list[tuple[str, int, bytes]]:
         """Up to `count` complete lines at or after global byte `offset`: (id, start offset, payload)."""

@@ -28,7 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipeline_rl.streams.base import RawEntry, StreamsUnavailable, TopicStore
+from pipeline_rl.streams.base import RawEntry, StreamsError, StreamsUnavailable, TopicStore
 from pipeline_rl.streams.config import StreamsConfig, check_topic
 
 logger = logging.getLogger("pipeline_rl.streams")
@@ -184,6 +184,19 @@ class RedisTopicStore(TopicStore):
 
     def length(self) -> int:
         return int(self._call("XLEN", self._r.xlen, self._key))
+
+    def total_written(self) -> int:
+        try:
+            info = self._call("XINFO STREAM", self._r.xinfo_stream, self._key)
+        except redis.ResponseError as err:
+            if "no such key" in str(err).lower():
+                return 0
+            raise
+        if "entries-added" not in info:
+            raise StreamsError(
+                f"Redis at {self._url} does not report 'entries-added' (XINFO STREAM): use redis-server >= 7.0"
+            )
+        return int(info["entries-added"])
 
     def _groups(self) -> list[dict[str, Any]]:
         try:
