@@ -100,8 +100,7 @@ def plan(cfg: RunConfig, run_dir: Path, roles: set[str]) -> list[ProcessSpec]:
                 str(cfg.inference.max_model_len),
             ]
             argv += ["--max-num-seqs", str(cfg.inference.max_num_seqs), "--seed", str(cfg.seed + i)]
-            if cfg.inference.backend == "vllm":
-                argv += ["--kv-after-update", cfg.inference.kv_after_update]
+            argv += ["--kv-after-update", cfg.inference.kv_after_update]
             env["PIPELINE_RL_TOKEN"] = cfg.inference.token or ""
             specs.append(ProcessSpec(f"server{i}", "servers", argv, env, cores, port, f"{url}/health"))
     if "trainer" in roles:

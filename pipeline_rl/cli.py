@@ -78,9 +78,8 @@ def _run_serve(args: argparse.Namespace) -> None:
         "max_num_seqs": args.max_num_seqs,
         "tensor_parallel_size": args.tensor_parallel_size,
         "seed": args.seed,
+        "kv_after_update": args.kv_after_update,
     }
-    if args.backend == "vllm":
-        engine["kv_after_update"] = args.kv_after_update
     serve(cfg, engine)
 
 

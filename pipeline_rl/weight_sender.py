@@ -13,6 +13,12 @@ collective); 2) if all accepted, write "go" to the decision key, else "abort" an
 servers that refused; 3) broadcast the buckets (fetch(indices) returns full tensors for one bucket, so
 sharded trainers never materialize the whole model); 4) wait for every server's result key and raise,
 naming the server, if any failed or stayed silent past the deadline.
+
+Wire formats (chosen in connect() from every server's /capabilities `transports`, never from its
+backend name): "<backend>" is the contract's own (group under the store prefix "<group_name>/pg", a
+join probe, 64-byte aligned buckets); "<backend>:c10d" is the one engines with a built-in receiver
+use (SGLang's init_weights_update_group: a torch c10d group named <group_name>, no probe, each bucket
+packed back to back). One group has one format, so every server must offer the one chosen.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import torch
 from inference_shim.client import ShimClient, ShimError
 from inference_shim.protocol import (
     DEFAULT_BUCKET_BYTES,
+    Bucket,
+    BucketSlot,
     InitProcessGroupRequest,
     TensorMeta,
     UpdateResult,
@@ -97,6 +105,7 @@ class WeightSender:
         self.master_address = master_address
         self.group_name = group_name
         self.group: WeightGroup | None = None
+        self.wire = "contract"  # or "c10d": see the module docstring
         self.target_dtype: str | None = None
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, len(server_urls)), thread_name_prefix="weight-sender"
@@ -110,6 +119,7 @@ class WeightSender:
         if len(dtypes) != 1:
             raise WeightPushError(f"servers disagree on the weight dtype: {sorted(dtypes)}", self.server_urls)
         self.target_dtype = dtypes.pop()
+        self.wire = _choose_wire(self.server_urls, [c.transports for c in caps], self.backend)
         world_size = 1 + sum(c.workers for c in caps)
         store = connect_store(
             self.master_address, 0, is_master=True, world_size=None, timeout_s=self.timeout_s
@@ -134,8 +144,9 @@ class WeightSender:
             )
             for client, offset in zip(self.clients, offsets, strict=True)
         ]
+        join = join_group if self.wire == "contract" else _join_c10d_group
         try:
-            self.group = join_group(
+            self.group = join(
                 store,
                 rank=0,
                 world_size=world_size,
@@ -180,6 +191,12 @@ class WeightSender:
                 log.warning("destroy_process_group on %s failed: %s", client.base_url, e)
             client.close()
         self._pool.shutdown(wait=False)
+        if self.group is not None and self.wire == "c10d":
+            # c10d groups are registered by name in torch.distributed: free the name for a later connect().
+            try:
+                torch.distributed.destroy_process_group(self.group.pg)
+            except Exception as e:
+                log.warning("destroying the c10d weight group failed: %s", e)
         self.group = None
 
     # ------------------------------------------------------------------ updates
@@ -231,6 +248,8 @@ class WeightSender:
 
         broadcast_start = time.perf_counter()
         buckets = plan_buckets(metas, self.bucket_bytes)
+        if self.wire == "c10d":
+            buckets = [packed_bucket(b) for b in buckets]
         dtype = getattr(torch, self.target_dtype) if self.target_dtype else None
         try:
             in_flight = None  # (work, bucket index): bucket i is packed while bucket i-1 is on the wire
@@ -294,6 +313,60 @@ class WeightSender:
                 [r.server_id for r in failed],
             )
         return results
+
+
+def _choose_wire(urls: list[str], transports: list[list[str]], backend: str) -> str:
+    """The wire format every server offers for `backend`: "contract" ("gloo"), else "c10d" ("gloo:c10d")."""
+    for wire, name in (("contract", backend), ("c10d", f"{backend}:c10d")):
+        if all(name in offered for offered in transports):
+            return wire
+    offers = "; ".join(f"{url}: {offered}" for url, offered in zip(urls, transports, strict=True))
+    raise WeightPushError(
+        f"no weight transport for backend {backend!r} that every server offers ({offers}); one group "
+        "cannot mix servers of different wire formats: push to them with separate WeightSenders",
+        urls,
+    )
+
+
+def packed_bucket(bucket: Bucket) -> Bucket:
+    """The same tensors as `bucket`, packed back to back without alignment gaps (the "c10d" wire format)."""
+    slots, offset = [], 0
+    for slot in bucket.slots:
+        slots.append(BucketSlot(index=slot.index, offset=offset, nbytes=slot.nbytes))
+        offset += slot.nbytes
+    return Bucket(nbytes=offset, slots=slots)
+
+
+def _join_c10d_group(
+    store: torch.distributed.Store,
+    *,
+    rank: int,
+    world_size: int,
+    backend: str,
+    group_name: str,
+    timeout_s: float,
+) -> WeightGroup:
+    """Rank 0 of a group built like torch's own groups, as SGLang's init_weights_update_group builds its side.
+
+    The rendezvous keys must match the engine's byte for byte, so this uses torch's group helper (the
+    same one SGLang calls) under the store prefix `group_name`. No probe collective: the engine runs
+    none, so a probe would wait forever. gloo connects every rank inside the helper (a barrier with a
+    deadline); nccl connects lazily on the first broadcast.
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    timeout = dt.timedelta(seconds=timeout_s)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
+    return WeightGroup(store, pg, rank, world_size, backend, group_name, timeout_s)
 
 
 def _try(fn):
