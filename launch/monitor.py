@@ -73,7 +73,7 @@ class RunMonitor:
             actors = [v for k, v in self.latest.items() if k.startswith("actor")]
             versions = [h.get("weight_version", "?") for h in self.server_health.values()]
         elapsed = time.time() - self.started
-        reward = trainer.get("reward_mean", _mean(a.get("reward_mean") for a in actors))
+        reward = trainer.get("reward", _mean(a.get("reward_mean") for a in actors))
         lag = trainer.get("lag_max", max((a.get("lag_max") or 0 for a in actors), default=None))
         sps = trainer.get("samples_per_s")
         parts = [

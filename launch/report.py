@@ -2,8 +2,7 @@
 
     python -m launch.report runs/2026-11-22-120000      # re-make the plots of a finished run
 
-Plots (PNG, in the run directory): reward vs wall time, reward vs samples, lag distribution of trained
-tokens, throughput over time. The summary (summary.json) holds the figures the README quotes.
+Plots (PNG, in the run directory): reward vs wall time, reward vs samples, lag of trained tokens per step, throughput over time. The summary (summary.json) holds the figures the README quotes.
 """
 
 from __future__ import annotations
@@ -50,36 +49,28 @@ def make_plots(run_dir: Path, started_at: float) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    t, reward = _series(rows, "trainer", "reward_mean")
+    t, reward = _series(rows, "trainer", "reward")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([x - started_at for x in t], reward, marker=".", lw=1)
     ax.set(xlabel="wall time (s)", ylabel="mean reward of trained samples", title="Reward vs wall time")
     ax.grid(alpha=0.3)
     save(fig, "reward_vs_time.png")
 
-    samples, reward_s = _series(rows, "trainer", "reward_mean", x="samples_total")
+    samples, reward_s = _series(rows, "trainer", "reward", x="samples_consumed")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(samples, reward_s, marker=".", lw=1)
     ax.set(xlabel="samples trained", ylabel="mean reward", title="Reward vs samples")
     ax.grid(alpha=0.3)
     save(fig, "reward_vs_samples.png")
 
-    lags = []
-    for row in rows:
-        if (
-            row.get("type") == "stats"
-            and row.get("source") == "trainer"
-            and isinstance(row.get("lag_hist"), dict)
-        ):
-            for lag, count in row["lag_hist"].items():
-                lags += [int(lag)] * int(count)
-    if not lags:
-        lags = [int(v) for _, v in zip(*_series(rows, "trainer", "lag_max"), strict=True)]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    if lags:
-        ax.hist(lags, bins=range(min(lags), max(lags) + 2), align="left", rwidth=0.8)
-    ax.set(xlabel="lag (weight versions)", ylabel="count", title="Lag of trained tokens")
-    save(fig, "lag_distribution.png")
+    for key, style in (("lag_max", "-"), ("lag_mean", "--"), ("lag_min", ":")):
+        steps, values = _series(rows, "trainer", key, x="step")
+        ax.plot(steps, values, style, lw=1.2, label=key.replace("_", " "))
+    ax.set(xlabel="optimizer step", ylabel="versions behind", title="Lag of trained tokens per step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "lag_per_step.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for source, key, label in [("trainer", "samples_per_s", "trainer samples/s")]:
@@ -113,8 +104,8 @@ def summarize(run_dir: Path, started_at: float, extra: dict) -> dict:
         "wall_s": round(max((r.get("time", started_at) for r in rows), default=started_at) - started_at, 1),
         "steps": max((r.get("version", 0) for r in versions), default=0),
         "samples_trained": max((r.get("samples_consumed", 0) for r in versions), default=0),
-        "reward_first_steps": _mean([r.get("reward_mean") for r in trainer[:5]]),
-        "reward_last_steps": _mean([r.get("reward_mean") for r in trainer[-5:]]),
+        "reward_first_steps": _mean([r.get("reward") for r in trainer[:5]]),
+        "reward_last_steps": _mean([r.get("reward") for r in trainer[-5:]]),
         "lag_max": lag_max,
         "steps_with_mixed_versions": mixed,
         **extra,

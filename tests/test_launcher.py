@@ -131,7 +131,7 @@ def test_end_to_end_run(tiny_model, tmp_path, mode):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_weight_version"] == 4
-    for name in ("reward_vs_time.png", "reward_vs_samples.png", "lag_distribution.png", "throughput.png"):
+    for name in ("reward_vs_time.png", "reward_vs_samples.png", "lag_per_step.png", "throughput.png"):
         assert (run_dir / name).stat().st_size > 1000
     for name in ("server0", "trainer", "preprocessor0", "actor0"):
         assert (run_dir / "logs" / f"{name}.log").exists() and (run_dir / "cmd" / f"{name}.sh").exists()
