@@ -103,6 +103,10 @@ class TrainingPackage(BaseModel):
     batch_samples: int = Field(description="Real (non-padding) samples in the whole batch, all ranks.")
     batch_tokens: int = Field(description="Trained (masked-in) tokens in the whole batch, all ranks.")
     batch_groups: int = Field(description="Groups in the whole batch, all ranks.")
+    group_ids: list[str] = Field(
+        default_factory=list,
+        description="Every group of the whole batch (all ranks): a restarted preprocessor skips these.",
+    )
     created_at: float = Field(default_factory=time.time)
 
 

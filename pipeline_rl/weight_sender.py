@@ -229,7 +229,11 @@ class WeightSender:
             raise RuntimeError("WeightSender.push before connect()")
         start = time.perf_counter()
         request = WeightUpdateRequest(
-            version=version, tensors=metas, bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s
+            version=version,
+            tensors=metas,
+            bucket_bytes=self.bucket_bytes,
+            timeout_s=self.timeout_s,
+            restore=restore,
         )
         answers = list(self._pool.map(lambda c: _try(lambda: c.request_weight_update(request)), self.clients))
         refused = [

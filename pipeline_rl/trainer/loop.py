@@ -1,0 +1,227 @@
+"""The trainer's driver loop, run by every rank (see docs/trainer.md for the whole picture).
+
+Per step, in this order on every rank:
+  1. feed.next_package     ranks agree on the next batch (rank 0 picks among complete ones), or on stopping
+  2. train_step            forward/backward of this rank's micro-batches, one optimizer step
+  3. publisher.push        new weights -> every server, version = step (rank 0 sends, all ranks gather)
+  4. rank 0 publishes WeightVersionEvent(version, step, consumed) on trainer_events — only after 3
+     succeeded, so an actor never sees a version its servers do not serve — and logs the metrics
+  5. every trainer.checkpoint_every steps: checkpoint, then each rank commits its stream position
+At the end (max_steps, or SIGTERM/SIGINT agreed by all ranks at step 1) a final checkpoint is written.
+On resume the servers first get the checkpoint's weights (push with restore=True) and a
+WeightVersionEvent announces the restored version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline_rl.config import RunConfig
+from pipeline_rl.messages import TrainingPackage, WeightVersionEvent
+from pipeline_rl.streams import TRAINER_EVENTS, Writer, make_writer
+from pipeline_rl.trainer import checkpoint
+from pipeline_rl.trainer.checkpoint import TrainerState
+from pipeline_rl.trainer.dist import Comm, init_comm
+from pipeline_rl.trainer.feed import PartitionFeed
+from pipeline_rl.trainer.metrics import MetricsLog
+from pipeline_rl.trainer.step import StepResult, train_step
+from pipeline_rl.trainer.strategy import Strategy, load_hf_model, make_strategy
+from pipeline_rl.trainer.weights import WeightPublisher
+
+log = logging.getLogger("pipeline_rl.trainer")
+
+
+def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
+    """Train until trainer.max_steps or a stop request; returns the final state. Raises on any failure."""
+    t = cfg.trainer
+    tr = Trainer.start(cfg)
+    while tr.state.step < t.max_steps:
+        started = time.perf_counter()
+        package = tr.feed.next_package(t.data_timeout_s, stop_requested)  # 1
+        if package is None:
+            log.info("stop requested: leaving after step %d", tr.state.step)
+            break
+        waited = time.perf_counter() - started
+        step = tr.state.step + 1
+        result = tr.train(package, step)  # 2
+        tr.state.step = tr.state.version = step  # weight version = optimizer steps applied
+        tr.state.samples_consumed += result.samples
+        tr.state.groups_consumed += result.groups
+        tr.state.tokens_consumed += result.trained_tokens
+        pushed = time.perf_counter()
+        tr.publisher.push(step)  # 3
+        timings = {"wait_data_s": waited, **result.timings, "weight_push_s": time.perf_counter() - pushed}
+        tr.announce()  # 4
+        due = t.checkpoint_every and step % t.checkpoint_every == 0
+        timings["checkpoint_s"] = tr.checkpoint() if due else 0.0  # 5
+        timings["step_s"] = time.perf_counter() - started
+        tr.log_step(package.batch_id, result, timings)
+    tr.finish()
+    return tr.state
+
+
+@dataclass
+class Trainer:
+    """Everything one rank holds; built by start(), which restores a checkpoint when resuming."""
+
+    cfg: RunConfig
+    comm: Comm
+    state: TrainerState
+    strategy: Strategy
+    feed: PartitionFeed
+    publisher: WeightPublisher
+    ref_model: torch.nn.Module | None
+    events: Writer | None  # rank 0 only
+    metrics: MetricsLog | None  # rank 0 only
+    saved_step: int
+
+    @classmethod
+    def start(cls, cfg: RunConfig) -> Trainer:
+        t = cfg.trainer
+        comm = init_comm(timeout_s=max(t.data_timeout_s, t.push_timeout_s) + 300)
+        torch.manual_seed(t.seed)
+        ckpt, state = _resume_point(cfg, comm)
+        strategy = make_strategy(cfg, comm, ckpt / "model" if ckpt else cfg.model_path)
+        feed_state = checkpoint.read_feed_state(ckpt, comm.rank) if ckpt else {}
+        if ckpt:
+            strategy.load_optimizer(ckpt / "optimizer")
+        feed = PartitionFeed(
+            cfg.streams, comm, start_after=feed_state.get("position"), buffered=feed_state.get("buffered")
+        )
+        publisher = WeightPublisher(cfg, strategy, comm)
+        publisher.connect()
+        main = comm.is_main
+        resume_step = state.step if ckpt else None
+        tr = cls(
+            cfg=cfg,
+            comm=comm,
+            state=state,
+            strategy=strategy,
+            feed=feed,
+            publisher=publisher,
+            ref_model=_reference_model(cfg, comm),
+            events=make_writer(cfg.streams, TRAINER_EVENTS) if main else None,
+            metrics=MetricsLog(cfg.run_dir, cfg.streams, resume_step=resume_step) if main else None,
+            saved_step=state.step if ckpt else -1,
+        )
+        if ckpt:
+            publisher.push(state.version, restore=True)  # servers serve exactly the checkpoint's weights
+            tr.announce()  # actors rewind to the restored version
+        log.info(
+            "rank %d/%d ready: %s, step %d, version %d",
+            comm.rank,
+            comm.world,
+            strategy.name,
+            state.step,
+            state.version,
+        )
+        return tr
+
+    def train(self, package: TrainingPackage, step: int) -> StepResult:
+        """Forward/backward of this rank's micro-batches and one optimizer step (collective)."""
+        return train_step(
+            self.strategy,
+            package,
+            self.cfg.algo,
+            step=step,
+            temperature=self.cfg.trainer.temperature,
+            comm=self.comm,
+            ref_model=self.ref_model,
+        )
+
+    def announce(self) -> None:
+        """WeightVersionEvent for the current version (rank 0; call only once every server has it)."""
+        if self.events is not None:
+            s = self.state
+            event = WeightVersionEvent(
+                version=s.version,
+                step=s.step,
+                samples_consumed=s.samples_consumed,
+                groups_consumed=s.groups_consumed,
+            )
+            self.events.write(event)
+
+    def checkpoint(self) -> float:
+        """Write a checkpoint (collective), then commit this rank's stream position. Returns seconds."""
+        started = time.perf_counter()
+        feed_state = self.feed.state()
+        path = checkpoint.save(
+            self.cfg.run_dir,
+            self.state,
+            self.strategy,
+            feed_state,
+            self.comm,
+            model_path=self.cfg.model_path,
+            bucket_bytes=self.cfg.trainer.bucket_mb * 1024 * 1024,
+            keep=self.cfg.trainer.keep_checkpoints,
+        )
+        checksums = [c for c in self.state.replica_checksums if c is not None]
+        if len(set(checksums)) > 1:
+            raise RuntimeError(
+                f"DDP replicas diverged at step {self.state.step}: weight checksums {checksums}"
+            )
+        self.feed.commit(feed_state["position"])  # only now: the checkpoint holds everything before it
+        self.saved_step = self.state.step
+        if self.comm.is_main:
+            log.info("checkpoint %s written (%.2fs)", path, time.perf_counter() - started)
+        return time.perf_counter() - started
+
+    def log_step(self, batch_id: str, result: StepResult, timings: dict) -> None:
+        if self.metrics is None:
+            return
+        s, step_s = self.state, max(timings["step_s"], 1e-9)
+        line = {"step": s.step, "version": s.version, "batch_id": batch_id, "time": time.time()}
+        line.update(result.metrics)
+        line.update(
+            samples_per_s=result.samples / step_s,
+            tokens_per_s=result.tokens / step_s,
+            trained_tokens_per_s=result.trained_tokens / step_s,
+            **timings,
+            **{k: v for k, v in asdict(s).items() if k.endswith("_consumed")},
+        )
+        report = self.publisher.last_report
+        if report is not None:
+            line.update(push_bytes=report.total_bytes, push_max_pause_s=report.max_pause_seconds)
+        self.metrics.write(line, batch_id=batch_id, sample_ids=result.sample_ids)
+
+    def finish(self) -> None:
+        """Final checkpoint (unless the last step has one), then leave the weight and trainer groups."""
+        if self.state.step != self.saved_step:
+            self.checkpoint()
+        self.publisher.close()
+        self.strategy.close()
+        self.comm.close()
+
+
+def _resume_point(cfg: RunConfig, comm: Comm) -> tuple[Path | None, TrainerState]:
+    fresh = TrainerState(world_size=comm.world, strategy=cfg.trainer.strategy)
+    if not cfg.trainer.resume:
+        return None, fresh
+    ckpt = checkpoint.latest_checkpoint(cfg.run_dir)
+    if ckpt is None:
+        if comm.is_main:
+            log.warning("trainer.resume=true but no checkpoint in %s: starting from step 0", cfg.run_dir)
+        return None, fresh
+    state = checkpoint.read_state(ckpt)
+    if (state.world_size, state.strategy) != (comm.world, cfg.trainer.strategy):
+        raise RuntimeError(
+            f"checkpoint {ckpt} was written by {state.world_size} rank(s) of {state.strategy}; this trainer runs "
+            f"{comm.world} rank(s) of {cfg.trainer.strategy}: resume with the same trainer.strategy and "
+            "trainer.num_processes (stream partitions and optimizer shards depend on them)"
+        )
+    log.info("resuming from %s (step %d, version %d)", ckpt, state.step, state.version)
+    return ckpt, state
+
+
+def _reference_model(cfg: RunConfig, comm: Comm) -> torch.nn.Module | None:
+    """Frozen initial policy for the KL term (the contract has no prompt logprobs, so it runs here)."""
+    if cfg.algo.kl_coef <= 0:
+        return None
+    model = load_hf_model(cfg.model_path, comm.device).eval()
+    return model.requires_grad_(False)

@@ -1,0 +1,265 @@
+"""The preprocessor process on a real redis-server: consumer-group sharing (every group exactly once),
+packages that agree across partitions, dynamic sampling and progress, crash recovery, the CLI entry.
+
+Groups are synthetic RolloutGroups written by the test (the actor's output format); everything from the
+`rollouts` topic to the `training_data/<rank>` partitions is the real code.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from inference_shim.protocol import VersionSpan
+from pipeline_rl.config import RunConfig
+from pipeline_rl.messages import (
+    DeadLetter,
+    PreprocessorProgress,
+    RolloutGroup,
+    Sample,
+    StatsRecord,
+    TrainingPackage,
+)
+from pipeline_rl.preprocess import GROUP, Preprocessor
+from pipeline_rl.preprocess_ops import is_padding
+from pipeline_rl.streams import (
+    DEAD_LETTER,
+    ROLLOUTS,
+    STATS,
+    TRAINER_EVENTS,
+    StreamsConfig,
+    make_reader,
+    make_writer,
+    training_partition,
+)
+
+ATTEMPTS = 4
+
+
+def make_cfg(
+    redis_url: str, tmp_path: Path, *, ranks: int = 2, batch_size: int = 8, **preprocess
+) -> RunConfig:
+    streams = StreamsConfig(backend="redis", redis_url=redis_url, run_name=f"t{uuid.uuid4().hex[:10]}")
+    return RunConfig(
+        run_dir=str(tmp_path / "run"),
+        model_path=str(tmp_path / "no-model"),
+        num_preprocessors=3,
+        streams=streams,
+        actor={"attempts": ATTEMPTS, "max_tokens": 8},
+        inference={"max_model_len": 32},
+        preprocess={"seq_length": 48, **preprocess},
+        trainer={"num_processes": ranks, "batch_size": batch_size},
+    )
+
+
+def make_group(index: int, rng: random.Random, rewards: list[float] | None = None) -> RolloutGroup:
+    group_id = f"0:{index}"
+    rewards = rewards or [float(rng.random() < 0.5) for _ in range(ATTEMPTS - 1)] + [0.5]
+    samples = []
+    for i, reward in enumerate(rewards):
+        completion = [rng.randrange(4, 90) for _ in range(rng.randint(2, 8))]
+        samples.append(
+            Sample(
+                sample_id=f"{group_id}/{i}",
+                prompt_token_ids=[1] + [rng.randrange(4, 90) for _ in range(rng.randint(3, 12))],
+                completion_token_ids=completion,
+                completion_logprobs=[-rng.random() for _ in completion],
+                version_spans=[VersionSpan(version=index % 3, start=0, end=len(completion))],
+                finish_reason="length",
+                reward=reward,
+            )
+        )
+    return RolloutGroup(group_id=group_id, task="t", prompt_index=index, actor_id=0, samples=samples)
+
+
+def read_all(cfg: RunConfig, topic: str) -> list:
+    reader = make_reader(cfg.streams, topic)
+    out = []
+    while entries := reader.read(count=500, block_s=0.0):
+        out += [e.message for e in entries]
+    return out
+
+
+def packages_by_batch(cfg: RunConfig) -> dict[str, dict[int, TrainingPackage]]:
+    batches: dict[str, dict[int, TrainingPackage]] = defaultdict(dict)
+    for rank in range(cfg.trainer.num_processes):
+        for package in read_all(cfg, training_partition(rank)):
+            assert package.rank == rank and package.num_ranks == cfg.trainer.num_processes
+            assert rank not in batches[package.batch_id], f"{package.batch_id} twice on rank {rank}"
+            batches[package.batch_id][rank] = package
+    return batches
+
+
+def trained_sample_ids(batch: dict[int, TrainingPackage]) -> list[str]:
+    return [s.sample_id for p in batch.values() for mb in p.micro_batches for s in mb if not is_padding(s)]
+
+
+def check_complete_batches(cfg: RunConfig, batches: dict[str, dict[int, TrainingPackage]]) -> None:
+    """Every batch is on every rank with the same header and the same number of micro-batches."""
+    for batch_id, by_rank in batches.items():
+        assert sorted(by_rank) == list(range(cfg.trainer.num_processes)), batch_id
+        counts = {len(p.micro_batches) for p in by_rank.values()}
+        assert len(counts) == 1, f"{batch_id}: unequal micro-batch counts {counts}"
+        headers = {
+            (p.batch_samples, p.batch_tokens, p.batch_groups, tuple(p.group_ids)) for p in by_rank.values()
+        }
+        assert len(headers) == 1
+        samples = [s for p in by_rank.values() for mb in p.micro_batches for s in mb if not is_padding(s)]
+        assert len(samples) == by_rank[0].batch_samples >= cfg.trainer.batch_size
+        assert sum(sum(s.labels_mask) for s in samples) == by_rank[0].batch_tokens
+        assert sorted({s.group_id for s in samples}) == sorted(by_rank[0].group_ids)
+        for p in by_rank.values():
+            for mb in p.micro_batches:
+                assert sum(len(s.input_ids) for s in mb) <= cfg.preprocess.seq_length
+
+
+def test_preprocessors_in_a_group_handle_every_group_exactly_once(redis_server, tmp_path):
+    cfg = make_cfg(redis_server.url, tmp_path)
+    rng = random.Random(0)
+    groups = [make_group(i, rng) for i in range(24)]
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups)
+    preps = [Preprocessor(cfg, i) for i in range(3)]
+    deadline = time.monotonic() + 30
+    while make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) and time.monotonic() < deadline:
+        for prep in preps:  # interleaved, like three processes taking turns
+            prep.poll(block_s=0.0)
+
+    batches = packages_by_batch(cfg)
+    check_complete_batches(cfg, batches)
+    assert len(batches) == 24 * ATTEMPTS // cfg.trainer.batch_size
+    assert {b.split(":")[0] for b in batches} == {"prep0", "prep1", "prep2"}  # the work was shared
+    ids = [i for batch in batches.values() for i in trained_sample_ids(batch)]
+    assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)  # each exactly once
+    assert sum(p.totals.groups_in for p in preps) == 24
+    assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0  # everything acked
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_reports_them(redis_server, tmp_path):
+    cfg = make_cfg(redis_server.url, tmp_path, ranks=1, drop_all_equal_groups=True)
+    rng = random.Random(1)
+    groups = [make_group(i, rng, rewards=[1.0] * ATTEMPTS if i % 2 else None) for i in range(8)]
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups)
+    prep = Preprocessor(cfg, 0)
+    for _ in range(10):
+        prep.poll(block_s=0.0)
+    prep.publish(force=True)  # what run() does on exit; while running, changes go out within 1 s
+
+    batches = packages_by_batch(cfg)
+    check_complete_batches(cfg, batches)
+    kept = {g.group_id for g in groups[::2]}
+    assert {gid for b in batches.values() for gid in b[0].group_ids} == kept
+    progress = [m for m in read_all(cfg, TRAINER_EVENTS) if isinstance(m, PreprocessorProgress)]
+    assert (progress[-1].groups_in, progress[-1].groups_dropped, progress[-1].samples_out) == (8, 4, 16)
+    stats = [m for m in read_all(cfg, STATS) if isinstance(m, StatsRecord)]
+    assert stats and stats[-1].source == "preprocessor0" and stats[-1].values["batches_out"] == 2
+    assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0
+
+    # A restarted preprocessor continues its totals (actors take the latest value per id).
+    assert Preprocessor(cfg, 0).totals.groups_dropped == 4
+
+
+def test_crash_after_writing_before_ack_does_not_duplicate(redis_server, tmp_path):
+    cfg = make_cfg(redis_server.url, tmp_path)
+    rng = random.Random(2)
+    groups = [make_group(i, rng) for i in range(4)]
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups[:2])
+    crashing = Preprocessor(cfg, 0)
+
+    def crash(ids):
+        raise RuntimeError("killed between write and ack")
+
+    crashing.reader.ack = crash
+    with pytest.raises(RuntimeError, match="killed"):
+        crashing.poll(block_s=0.0)
+    assert len(packages_by_batch(cfg)) == 1  # the batch is out, its groups are still pending
+
+    restarted = Preprocessor(cfg, 0)  # same index: gets its pending groups back first
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups[2:])
+    for _ in range(5):
+        restarted.poll(block_s=0.0)
+    batches = packages_by_batch(cfg)
+    check_complete_batches(cfg, batches)
+    ids = [i for batch in batches.values() for i in trained_sample_ids(batch)]
+    assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)
+    assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0
+
+
+def test_crash_between_partitions_leaves_an_incomplete_batch_that_is_redone(redis_server, tmp_path):
+    cfg = make_cfg(redis_server.url, tmp_path)
+    rng = random.Random(3)
+    groups = [make_group(i, rng) for i in range(2)]
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups)
+    crashing = Preprocessor(cfg, 0)
+
+    def crash(message):
+        raise RuntimeError("killed between partitions")
+
+    crashing.partitions[1].write = crash
+    with pytest.raises(RuntimeError, match="between partitions"):
+        crashing.poll(block_s=0.0)
+
+    restarted = Preprocessor(cfg, 0)
+    restarted.poll(block_s=0.0)
+    batches = packages_by_batch(cfg)
+    complete = {b: by_rank for b, by_rank in batches.items() if len(by_rank) == 2}
+    assert len(batches) == 2 and len(complete) == 1  # the torn batch is only on rank 0: never trained
+    check_complete_batches(cfg, complete)
+    ids = [i for batch in complete.values() for i in trained_sample_ids(batch)]
+    assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)
+
+
+def test_wrong_message_kind_goes_to_dead_letter(redis_server, tmp_path):
+    cfg = make_cfg(redis_server.url, tmp_path, ranks=1)
+    make_writer(cfg.streams, ROLLOUTS).write(StatsRecord(source="stray", values={}))
+    prep = Preprocessor(cfg, 0)
+    prep.poll(block_s=0.0)
+    dead = [m for m in read_all(cfg, DEAD_LETTER) if isinstance(m, DeadLetter)]
+    assert len(dead) == 1 and "expected a rollout_group" in dead[0].error
+    assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0
+
+
+def test_cli_processes_share_the_stream_and_stop_on_sigterm(redis_server, tmp_path):
+    cfg = make_cfg(redis_server.url, tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(cfg.model_dump_json())
+    rng = random.Random(4)
+    groups = [make_group(i, rng) for i in range(16)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [tmp_path / f"prep{i}.log" for i in range(2)]
+    argv = [sys.executable, "-m", "pipeline_rl.cli", "preprocess", "--config", str(config_path), "--index"]
+    procs = [
+        subprocess.Popen(argv + [str(i)], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        for i, log in enumerate(logs)
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not all("reading rollouts" in log.read_text() for log in logs):  # both up (signals handled)
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                log.read_text() for log in logs
+            ]
+            time.sleep(0.1)
+        writer = make_writer(cfg.streams, ROLLOUTS)
+        for group in groups:  # trickle in, like actors
+            writer.write(group)
+            time.sleep(0.05)
+        while sum(len(b) for b in packages_by_batch(cfg).values()) < 16 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=30)
+    assert [proc.returncode for proc in procs] == [0, 0], [log.read_text() for log in logs]
+    batches = packages_by_batch(cfg)
+    check_complete_batches(cfg, batches)
+    ids = [i for batch in batches.values() for i in trained_sample_ids(batch)]
+    assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)
