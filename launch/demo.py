@@ -28,7 +28,10 @@ DEMO_MODEL = TinyModelSpec(
     intermediate_size=512,
     max_position_embeddings=256,
 )
-DEMO_TASK = TaskConfig(name="arith", arith_num_operands=2, arith_max_operand=99, arith_operators="+-")
+# Two operands up to 19, + and -: a tiny model learns the answer format in a few dozen supervised steps
+# and the arithmetic only partly in 300, so best-of-8 sampling is right far more often than greedy
+# decoding (measured: 31% vs 5% after 150 steps) - the gap RL closes.
+DEMO_TASK = TaskConfig(name="arith", arith_num_operands=2, arith_max_operand=19, arith_operators="+-")
 DEMO_WARMUP = WarmupConfig(steps=300, batch_size=64, learning_rate=3e-3)
 DEMO_WALL_S = 600
 DEMO_OVERRIDES = [
@@ -36,6 +39,14 @@ DEMO_OVERRIDES = [
     "trainer.max_steps=100000",
     f"task.arith_max_operand={DEMO_TASK.arith_max_operand}",
     f"task.arith_operators={DEMO_TASK.arith_operators}",
+    # lr 1e-3 collapsed the policy's entropy within ~50 steps (all samples of a group identical, zero
+    # advantage, no learning); 3e-4 with at most 2 versions of lag keeps sampler and trainer close.
+    "trainer.learning_rate=3e-4",
+    "actor.max_lag=2",
+    "actor.max_buffered_groups=16",
+    "actor.max_tokens=12",
+    "inference.max_model_len=96",
+    "eval.max_tokens=12",
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference_shim.protocol import (
     Capabilities,
@@ -16,6 +17,7 @@ from inference_shim.protocol import (
     HealthResponse,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
+    UpdateTimings,
     VersionSpan,
     WeightUpdateAccepted,
     WeightUpdateRequest,
@@ -76,14 +78,42 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 
-    @abc.abstractmethod
-    def debug_state(self) -> DebugState: ...
+    # Shared by every backend: each keeps these attributes up to date.
+    tokenizer: Any
+    version: int
+    group: dict | None
+    pending: int | None
+    last_update: UpdateTimings | None
+    last_error: str | None
+    in_flight: int
+    paused: bool
+    updates_applied: int
 
-    @abc.abstractmethod
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]: ...
+    def debug_state(self) -> DebugState:
+        return DebugState(
+            weight_version=self.version,
+            group=self.group,
+            pending_update=self.pending,
+            last_update=self.last_update,
+            last_error=self.last_error,
+            in_flight_requests=self.in_flight,
+            paused=self.paused,
+            updates_applied=self.updates_applied,
+        )
 
-    @abc.abstractmethod
-    def text_prompt_ids(self, text: str) -> list[int]: ...
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The model's own chat template, rendered straight to token ids (never re-tokenized later)."""
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     @abc.abstractmethod
     def generate(
@@ -103,6 +133,16 @@ class Backend(abc.ABC):
     def prometheus_extra(self) -> dict[str, float]:
         """Backend-specific gauges for /metrics."""
         return {}
+
+
+def prompt_room(prompt_ids: list[int], max_model_len: int) -> int:
+    """Tokens left for the completion; a prompt that alone fills the context is the client's error."""
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise ContractError(
+            400, "prompt_too_long", f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}"
+        )
+    return room
 
 
 def validate_update(

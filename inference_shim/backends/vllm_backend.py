@@ -26,12 +26,18 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from inference_shim.backends.base import Backend, ChoiceDelta, ContractError, SamplingRequest, validate_update
+from inference_shim.backends.base import (
+    Backend,
+    ChoiceDelta,
+    ContractError,
+    SamplingRequest,
+    prompt_room,
+    validate_update,
+)
 from inference_shim.metrics import ShimMetrics
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     Capabilities,
-    DebugState,
     HealthResponse,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
@@ -170,32 +176,7 @@ class VllmBackend(Backend):
             max_model_len=self.options.max_model_len,
         )
 
-    def debug_state(self) -> DebugState:
-        return DebugState(
-            weight_version=self.version,
-            group=self.group,
-            pending_update=self.pending,
-            last_update=self.last_update,
-            last_error=self.last_error,
-            in_flight_requests=self.in_flight,
-            paused=self.paused,
-            updates_applied=self.updates_applied,
-        )
-
     # ------------------------------------------------------------------ generation
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-            )
-        )
-
-    def text_prompt_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
     async def generate(
         self, prompt_ids: list[int], params: SamplingRequest, stream: bool
     ) -> AsyncIterator[list[ChoiceDelta]]:
@@ -203,13 +184,7 @@ class VllmBackend(Backend):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        room = self.options.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ContractError(
-                400,
-                "prompt_too_long",
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.options.max_model_len}",
-            )
+        room = prompt_room(prompt_ids, self.options.max_model_len)
         sampling = SamplingParams(
             n=params.n,
             temperature=params.temperature,
