@@ -172,6 +172,7 @@ class Launcher:
         self.status_server = None
         self.stop_requested: str | None = None
         self.evals: dict = {}
+        self._eval_thread = None
 
     def _on_signal(self, signum, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name
@@ -256,8 +257,34 @@ class Launcher:
             time.sleep(0.5)
         raise ChildFailed(trainer, "did not join the weight group of every server in time")
 
+    def _periodic_eval(self) -> None:
+        """eval.every_s > 0: evaluate in a background thread; results land in stats.jsonl as type 'eval'."""
+        import threading
+
+        from launch.evaluate import evaluate_server
+
+        def run() -> None:
+            try:
+                result = evaluate_server(
+                    self.cfg.inference.urls[0],
+                    self.cfg.task,
+                    self.cfg.eval.num_problems,
+                    self.cfg.eval.max_tokens,
+                )
+            except Exception as e:  # a failed evaluation is reported, the run goes on
+                print(f"(periodic evaluation failed: {e})", flush=True)
+                return
+            row = {"type": "eval", "time": time.time(), **result}
+            with (self.run_dir / "stats.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+        if self._eval_thread is None or not self._eval_thread.is_alive():
+            self._eval_thread = threading.Thread(target=run, name="periodic-eval", daemon=True)
+            self._eval_thread.start()
+
     def _supervise(self) -> int:
         last_progress = 0.0
+        last_eval = time.monotonic()
         deadline = time.monotonic() + self.cfg.max_wall_s if self.cfg.max_wall_s else None
         trainer = next((c for c in self.children if c.spec.role == "trainer"), None)
         while True:
@@ -284,6 +311,9 @@ class Launcher:
                 self.monitor.poll_streams()
                 return 0
             self.monitor.poll_streams()
+            if self.cfg.eval.every_s and time.monotonic() - last_eval >= self.cfg.eval.every_s:
+                self._periodic_eval()
+                last_eval = time.monotonic()
             if time.monotonic() - last_progress >= self.progress_every_s:
                 self.monitor.poll_servers(self.cfg.inference.urls)
                 print(self.monitor.progress_line(), flush=True)
