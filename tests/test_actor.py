@@ -52,7 +52,7 @@ from pipeline_rl.streams import ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, ma
 from pipeline_rl.tasks import compute_reward, make_task
 from pipeline_rl.tiny_model import build_tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # includes the module's server startups on a loaded box
 
 
 def _config(redis_url: str, urls: list[str], **actor) -> RunConfig:

@@ -219,10 +219,15 @@ def test_openai_client_chat_plain_and_streamed(deployment):
     assert finish in ("stop", "length") and 1 <= len(tokens) <= 8 and isinstance(text, str)
 
 
+# Long enough that every stream outlasts a weight push even on a loaded 2-core machine (the chat prompt
+# is ~20 tokens; the servers' max_model_len is 512).
+STREAM_TOKENS = 460
+
+
 def _stream_until_done(url: str, index: int, started: threading.Event, results: dict) -> None:
     body = {
         "messages": [{"role": "user", "content": f"{index}+1="}],
-        "max_tokens": 240,
+        "max_tokens": STREAM_TOKENS,
         "ignore_eos": True,
         "stream": True,
         "logprobs": True,
@@ -276,8 +281,8 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
     for index, outcome in results.items():
         assert not isinstance(outcome, Exception), f"request {index} failed: {outcome}"
         tokens, finish, spans = outcome
-        assert (tokens, finish) == (240, "length"), f"request {index} did not finish normally"
-        assert spans[0]["start"] == 0 and spans[-1]["end"] == 240
+        assert (tokens, finish) == (STREAM_TOKENS, "length"), f"request {index} did not finish normally"
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == STREAM_TOKENS
         assert [s["version"] for s in spans] in ([before[0]], [before[0], version], [version])
         spanning += len(spans) == 2
     assert spanning >= 1, "no request spanned the update: it was not inflight"
