@@ -1,0 +1,242 @@
+"""What every benchmark shares: options, statistics, machine facts, tables, and the docs/benchmarks.md writer.
+
+Rules every benchmark follows (docs/benchmarks.md, "Method"): A and B are measured interleaved in one run,
+each at least `repeats` times, and reported as medians; every figure is also given as a ratio against a
+ceiling measured in that same run, because these VMs are noisy (CPU steal up to ~25%).
+
+Not run directly; `pipeline-rl bench NAME [--quick]` (bench/run.py) builds a BenchContext and calls the
+benchmark's run(ctx).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO_ROOT / "artifacts"
+DEFAULT_DOC = REPO_ROOT / "docs" / "benchmarks.md"
+DEFAULT_IMG_DIR = REPO_ROOT / "docs" / "img"
+# Quick (smoke) runs never overwrite the real figures in docs/: they write here unless told otherwise.
+QUICK_DIR = ARTIFACTS / "bench-quick"
+
+MB = 1e6
+MiB = 1024 * 1024
+
+
+@dataclass
+class BenchContext:
+    """One invocation of `pipeline-rl bench`: where results go and how big the run is."""
+
+    quick: bool
+    repeats: int
+    command: str  # the exact command line, written into the docs next to the results
+    doc_path: Path
+    img_dir: Path
+    out_dir: Path  # raw JSON results and server logs
+    pool: object  # bench.servers.ServerPool (typed loosely: servers.py imports this module)
+    options: dict = field(default_factory=dict)  # benchmark-specific overrides from the command line
+
+    def server(self, kind: str, model: Path):
+        """The ServerSpec for `kind` ("shim" or "vllm") on `model`, with this run's server overrides."""
+        from bench.servers import ServerSpec
+
+        extra: tuple[str, ...] = ()
+        if kind == "shim" and self.options.get("kv_after_update"):
+            extra = ("--kv-after-update", self.options["kv_after_update"])
+        env = tuple(tuple(item.split("=", 1)) for item in self.options.get("server_env", ()))
+        return ServerSpec(kind, model, extra=extra, env=env)
+
+    def trainer_threads(self) -> int:
+        """torch threads of the process that plays the trainer.
+
+        Default: what launch/main.py gives the trainer (OMP_NUM_THREADS = its cores = half the machine's,
+        at least one), so the benchmarks measure pushes as a launched run makes them.
+        """
+        return self.options.get("trainer_threads") or max(1, (os.cpu_count() or 2) // 2)
+
+    def log(self, message: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    def save_json(self, name: str, data: object) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"{name}.json"
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------------
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), nearest-rank on the sorted values; nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def rotate(items: Sequence, i: int) -> list:
+    """items rotated by i: repeat i measures the variants in a different order, so no variant always
+    runs first (after an idle gap) or last."""
+    k = i % len(items) if items else 0
+    return list(items[k:]) + list(items[:k])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Machine facts (so a reader can tell a quiet run from a noisy one)
+# ---------------------------------------------------------------------------------------------------
+def _cpu_times() -> tuple[int, int]:
+    """(total, steal) jiffies from /proc/stat's aggregate line; (0, 0) where it does not exist."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0, 0
+    values = [int(v) for v in fields]
+    steal = values[7] if len(values) > 7 else 0
+    return sum(values[:8]), steal
+
+
+class StealMeter:
+    """CPU steal (the hypervisor running someone else) over an interval, in percent of CPU time."""
+
+    def __init__(self) -> None:
+        self._start = _cpu_times()
+
+    def percent(self) -> float:
+        total, steal = _cpu_times()
+        d_total = total - self._start[0]
+        return 100.0 * (steal - self._start[1]) / d_total if d_total > 0 else 0.0
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the kernel's estimate of what can be allocated without swap)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def machine_line(steal_percent: float | None = None) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    parts = [f"{os.cpu_count()} CPUs ({cpu})", f"{mem_gib:.0f} GiB RAM", f"load avg at end {load}"]
+    if steal_percent is not None:
+        parts.append(f"CPU steal during run {steal_percent:.1f}%")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables and the docs section
+# ---------------------------------------------------------------------------------------------------
+def fmt(value: float | int | str | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return str(value)
+    if value != value:  # nan
+        return "-"
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.1f}"
+    return f"{value:.{digits}g}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[fmt(c) if not isinstance(c, str) else c for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def goal_line(name: str, met: bool | None, detail: str) -> str:
+    status = {True: "MET", False: "MISSED", None: "NOT MEASURED"}[met]
+    return f"- **Goal — {name}: {status}.** {detail}"
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
+
+def update_doc_section(doc_path: Path, name: str, body: str) -> None:
+    """Replace the text between this benchmark's markers in doc_path (appending the section if absent).
+
+    Only the marked region is machine-written, so the hand-written method, goals and findings around
+    it survive every run.
+    """
+    start, end = _markers(name)
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    text = doc_path.read_text() if doc_path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc_path.parent.mkdir(parents=True, exist_ok=True)
+    doc_path.write_text(text)
+
+
+def section(
+    ctx: BenchContext,
+    title: str,
+    intro: str,
+    tables: Sequence[str],
+    goals: Sequence[str],
+    images: Sequence[Path] = (),
+    steal_percent: float | None = None,
+) -> str:
+    """The markdown of one benchmark's results: command, machine, tables, goal status, plots."""
+    quick = " (`--quick`: smoke-test sizes, NOT representative)" if ctx.quick else ""
+    lines = [
+        f"### {title}{quick}",
+        "",
+        f"Produced by `{ctx.command}` on {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"Machine: {machine_line(steal_percent)}.",
+        "",
+        intro.strip(),
+        "",
+    ]
+    for table in tables:
+        lines += [table, ""]
+    lines += list(goals)
+    for image in images:
+        rel = os.path.relpath(image, ctx.doc_path.parent)
+        lines += ["", f"![{Path(image).stem}]({rel})"]
+    return "\n".join(lines) + "\n"
+
+
+def publish(ctx: BenchContext, name: str, markdown: str) -> None:
+    """Print the section and write it into the doc."""
+    print("\n" + markdown, flush=True)
+    update_doc_section(ctx.doc_path, name, markdown)
+    ctx.log(f"wrote section '{name}' of {ctx.doc_path}")

@@ -1,0 +1,228 @@
+"""`pipeline-rl bench NAME... [--quick]`: run benchmarks, print their tables, update their sections of
+docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
+
+    pipeline-rl bench weight-sync          # 1. weight push vs raw gloo vs memcpy, 1 and 2 servers
+    pipeline-rl bench inflight             # 2. generation throughput with/without weight updates
+    pipeline-rl bench pipeline-vs-sync     # 3. pipelined vs synchronous RL (bench/pipeline_vs_sync.py)
+    pipeline-rl bench streams              # 4. per-sample cost of the stream path vs raw Redis
+    pipeline-rl bench shim                 # 5. shim vs vLLM's own OpenAI server, 1/8/64 concurrent
+    pipeline-rl bench all                  # every one, in that order, sharing servers
+    pipeline-rl bench inflight streams     # several, sharing servers
+    pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
+
+`--quick` results go to artifacts/bench-quick/benchmarks.md unless --doc says otherwise, so a smoke
+run never overwrites the real figures in docs/benchmarks.md. A benchmark that fails does not stop the
+ones after it; the command exits non-zero naming the failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.common import ARTIFACTS, DEFAULT_DOC, DEFAULT_IMG_DIR, QUICK_DIR, BenchContext
+
+
+def _weight_sync(ctx: BenchContext) -> dict:
+    from bench import weight_sync
+
+    return weight_sync.run(ctx)
+
+
+def _inflight(ctx: BenchContext) -> dict:
+    from bench import inflight
+
+    return inflight.run(ctx)
+
+
+def _streams(ctx: BenchContext) -> dict:
+    from bench import streams
+
+    return streams.run(ctx)
+
+
+def _shim(ctx: BenchContext) -> dict:
+    from bench import shim
+
+    return shim.run(ctx)
+
+
+# HOOK for benchmark 3 (pipelined vs synchronous RL): it needs the multi-process launcher (launch/)
+# and lives in bench/pipeline_vs_sync.py with the same run(ctx) / servers_needed(ctx) interface as the
+# others. Until that module exists, asking for it says so and `all` skips it.
+PIPELINE_VS_SYNC_PENDING = (
+    "pipeline-vs-sync needs the launcher (launch/) and bench/pipeline_vs_sync.py, which is not there yet"
+)
+
+
+def _pipeline_vs_sync(ctx: BenchContext) -> dict:
+    from bench import pipeline_vs_sync
+
+    return pipeline_vs_sync.run(ctx)
+
+
+def _available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(f"bench.{name.replace('-', '_')}") is not None
+
+
+BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
+    "weight-sync": _weight_sync,
+    "inflight": _inflight,
+    "pipeline-vs-sync": _pipeline_vs_sync,
+    "streams": _streams,
+    "shim": _shim,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipeline-rl bench", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "names",
+        nargs="+",
+        choices=[*BENCHMARKS, "all"],
+        metavar="NAME",
+        help=f"{', '.join(BENCHMARKS)} or all",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: a smoke test")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="interleaved repeats (default 5; 2 with --quick)"
+    )
+    p.add_argument(
+        "--doc", type=Path, default=None, help="markdown file to update (default docs/benchmarks.md)"
+    )
+    p.add_argument("--img-dir", type=Path, default=None, help="where plots go (default docs/img)")
+    p.add_argument(
+        "--out-dir", type=Path, default=None, help="raw JSON + server logs (default artifacts/bench)"
+    )
+    g = p.add_argument_group("servers and the stand-in trainer (to evaluate a fix before it lands)")
+    g.add_argument(
+        "--server-env",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="extra environment for every server; VALUE a/b gives server 0 a, server 1 b "
+        "(e.g. VLLM_CPU_OMP_THREADS_BIND=0/1)",
+    )
+    g.add_argument(
+        "--kv-after-update", choices=["recompute", "keep"], default=None, help="shim servers' mode"
+    )
+    g.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=None,
+        help="torch threads of the pushing process (default: half the cores, as launch/ gives a trainer)",
+    )
+    g = p.add_argument_group("weight-sync")
+    g.add_argument("--sizes", default=None, help="model sizes, e.g. 10mb,100mb,500mb (bench/models.py)")
+    g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
+    g = p.add_argument_group("inflight, streams, shim")
+    g.add_argument(
+        "--model", default=None, help="model size for generation (default 10mb; tiny with --quick)"
+    )
+    g.add_argument("--window-s", type=float, default=None, help="seconds per measurement window")
+    g.add_argument("--update-every-s", type=float, default=None, help="inflight: seconds between updates")
+    g.add_argument("--concurrency", default=None, help="shim: concurrency levels, e.g. 1,8,64")
+    return p
+
+
+def _options(args: argparse.Namespace) -> dict:
+    def ints(text: str | None) -> list[int] | None:
+        return [int(x) for x in text.split(",")] if text else None
+
+    options = {
+        "sizes": args.sizes.split(",") if args.sizes else None,
+        "buckets_mib": ints(args.buckets_mib),
+        "model": args.model,
+        "window_s": args.window_s,
+        "update_every_s": args.update_every_s,
+        "concurrency": ints(args.concurrency),
+        "server_env": args.server_env,
+        "kv_after_update": args.kv_after_update,
+        "trainer_threads": args.trainer_threads,
+    }
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    names = _expand(args.names)
+    if not names:
+        sys.exit(f"pipeline-rl bench: {PIPELINE_VS_SYNC_PENDING}")
+    from bench.servers import ServerPool
+
+    out_dir = args.out_dir or (QUICK_DIR if args.quick else ARTIFACTS / "bench")
+    ctx = BenchContext(
+        quick=args.quick,
+        repeats=args.repeats or (2 if args.quick else 5),
+        command="pipeline-rl bench " + shlex.join(argv),
+        doc_path=args.doc or (QUICK_DIR / "benchmarks.md" if args.quick else DEFAULT_DOC),
+        img_dir=args.img_dir or (QUICK_DIR / "img" if args.quick else DEFAULT_IMG_DIR),
+        out_dir=out_dir,
+        pool=ServerPool(out_dir / "logs"),
+        options=_options(args),
+    )
+    started = time.monotonic()
+    failed: list[str] = []
+    # SIGTERM (a test's timeout, a CI cancel) must still stop the servers, which run in their own
+    # sessions: turn it into SystemExit so the pool's `with` block tears them down.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with ctx.pool:
+        _prestart(ctx, names)
+        for name in names:
+            ctx.log(f"running {name}")
+            try:
+                BENCHMARKS[name](ctx)
+            except Exception:  # noqa: BLE001 - report, then run the others; the exit code says it failed
+                ctx.log(f"{name} FAILED:\n{traceback.format_exc()}")
+                failed.append(name)
+    ctx.log(f"done in {time.monotonic() - started:.0f} s; results in {ctx.doc_path}")
+    if failed:
+        sys.exit(f"pipeline-rl bench: failed: {', '.join(failed)} (tracebacks above)")
+
+
+def _expand(requested: list[str]) -> list[str]:
+    """Benchmark names in the issue's order; `all` = every one whose module exists."""
+    wanted = set(BENCHMARKS) if "all" in requested else set(requested)
+    names = []
+    for name in BENCHMARKS:
+        if name not in wanted:
+            continue
+        if name == "pipeline-vs-sync" and not _available(name):
+            print(f"pipeline-rl bench: skipping: {PIPELINE_VS_SYNC_PENDING}", file=sys.stderr)
+            continue
+        names.append(name)
+    return names
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _prestart(ctx: BenchContext, names: list[str]) -> None:
+    """Start the servers the benchmarks will need now, so their ~35 s startups overlap.
+
+    Full runs prestart only the first benchmark's servers: weight-sync's big models need the memory.
+    """
+    import importlib
+
+    for name in names if ctx.quick else names[:1]:
+        try:
+            needed = importlib.import_module(f"bench.{name.replace('-', '_')}").servers_needed(ctx)
+        except Exception as e:  # noqa: BLE001 - the benchmark itself will fail and report it
+            ctx.log(f"not prestarting servers for {name}: {type(e).__name__}: {e}")
+            continue
+        for spec, count in needed:
+            ctx.pool.prestart(spec, count)
+
+
+if __name__ == "__main__":
+    main()

