@@ -29,6 +29,7 @@ from typing import Literal
 import httpx
 
 START_DEADLINE_S = 300.0
+PORT_ATTEMPTS = 3  # a picked free port can be taken by another process before the server binds it
 
 
 def free_port() -> int:
@@ -154,24 +155,38 @@ class ServerPool:
         """Start any of servers 0..count-1 of spec that are not running yet; do not wait for them."""
         for index in range(count):
             if (spec, index) not in self._running:
-                port = free_port()
-                log_path = self.log_dir / f"{spec.kind}-{spec.model.name}-{index}.log"
-                proc = start_process(spec.command(port), log_path, spec.environment(index))
-                self._running[(spec, index)] = _Running(
-                    spec, index, f"http://127.0.0.1:{port}", proc, log_path
-                )
+                self._start(spec, index)
+
+    def _start(self, spec: ServerSpec, index: int) -> _Running:
+        port = free_port()
+        log_path = self.log_dir / f"{spec.kind}-{spec.model.name}-{index}.log"
+        proc = start_process(spec.command(port), log_path, spec.environment(index))
+        server = _Running(spec, index, f"http://127.0.0.1:{port}", proc, log_path)
+        self._running[(spec, index)] = server
+        return server
 
     def urls(self, spec: ServerSpec, count: int = 1) -> list[str]:
         """URLs of servers 0..count-1 of spec, started if needed and healthy."""
         self.prestart(spec, count)
-        servers = [self._running[(spec, i)] for i in range(count)]
-        for server in servers:
-            if not server.healthy:
-                wait_healthy(server.url, server.proc, server.log_path)
-                server.healthy = True
-            elif server.proc.poll() is not None:
+        for index in range(count):
+            server = self._running[(spec, index)]
+            if server.healthy and server.proc.poll() is not None:
                 raise RuntimeError(f"server {server.url} died; log:\n{log_tail(server.log_path)}")
-        return [s.url for s in servers]
+            for attempt in range(PORT_ATTEMPTS):
+                if server.healthy:
+                    break
+                try:
+                    wait_healthy(server.url, server.proc, server.log_path)
+                    server.healthy = True
+                except RuntimeError:
+                    # The port was free when we picked it; on a shared machine another process may
+                    # bind it before the server does. Only that failure is worth another try.
+                    lost_port = "address already in use" in log_tail(server.log_path).lower()
+                    if not lost_port or attempt == PORT_ATTEMPTS - 1:
+                        raise
+                    stop_process_tree(server.proc)
+                    server = self._start(spec, index)
+        return [self._running[(spec, i)].url for i in range(count)]
 
     def started(self, spec: ServerSpec, count: int = 1) -> int:
         """How many of servers 0..count-1 of spec are already started (healthy or not)."""

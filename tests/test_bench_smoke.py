@@ -52,6 +52,12 @@ def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def _failure_excerpt(output: str) -> str:
+    """The failed benchmarks' tracebacks (they may be far from the end of the output) and the tail."""
+    parts = [chunk[:4000] for chunk in output.split(" FAILED:")[1:]]
+    return "\n...\n".join(parts + [output[-3000:]])
+
+
 @pytest.mark.slow
 def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
@@ -61,7 +67,7 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
     # (pipeline-vs-sync runs whole RL runs through the launcher; it has its own test.)
     args = [*BENCHMARKS, "--quick", "--repeats", "1", "--doc", str(doc), "--img-dir", str(img)]
     result = _bench(*args, "--out-dir", str(out), timeout_s=420)
-    assert result.returncode == 0, result.stdout[-6000:]
+    assert result.returncode == 0, _failure_excerpt(result.stdout)
 
     text = doc.read_text()
     assert "Hand-written text that must survive." in text

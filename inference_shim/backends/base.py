@@ -7,6 +7,7 @@ The FastAPI app (inference_shim/server.py) only talks to a Backend; one file per
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,11 +18,14 @@ from inference_shim.protocol import (
     HealthResponse,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
+    UpdateResult,
     UpdateTimings,
     VersionSpan,
     WeightUpdateAccepted,
     WeightUpdateRequest,
 )
+
+log = logging.getLogger("inference_shim")
 
 
 class ContractError(Exception):
@@ -88,6 +92,8 @@ class Backend(abc.ABC):
     in_flight: int
     paused: bool
     updates_applied: int
+    unhealthy: str | None
+    metrics: Any  # inference_shim.metrics.ShimMetrics
 
     def debug_state(self) -> DebugState:
         return DebugState(
@@ -100,6 +106,32 @@ class Backend(abc.ABC):
             paused=self.paused,
             updates_applied=self.updates_applied,
         )
+
+    def _publish_update(self, result: UpdateResult) -> None:
+        """An update was applied: serve its version and record its timings (both backends)."""
+        result.ok = True
+        self.version = result.version
+        self.updates_applied += 1
+        self.last_update = UpdateTimings(
+            version=result.version,
+            total_bytes=result.total_bytes,
+            receive_seconds=result.receive_seconds,
+            apply_seconds=result.apply_seconds,
+            pause_seconds=result.pause_seconds,
+        )
+        self.metrics.record_update(result)
+
+    def _record_failed_update(
+        self, result: UpdateResult, error: BaseException, partially_applied: bool
+    ) -> None:
+        """An update failed: report it; if some tensors may be loaded, never serve the mix silently."""
+        lines = str(error).strip().splitlines()
+        result.error = f"{type(error).__name__}: {(lines[0] if lines else '')[:400]}"
+        self.last_error = f"update to version {result.version} failed: {result.error}"
+        log.error(self.last_error)
+        self.metrics.updates.labels(result="error").inc()
+        if partially_applied:
+            self.unhealthy = f"weights may be partially applied (version {result.version}): {result.error}; restart the server"
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The model's own chat template, rendered straight to token ids (never re-tokenized later)."""

@@ -483,25 +483,10 @@ class SglangBackend(Backend):
                 await self._resume()
             result.pause_seconds = time.perf_counter() - paused_at
             result.total_bytes = sum(slot.nbytes for b in buckets for slot in b.slots)
-            result.ok = True
-            self.version = req.version
-            self.updates_applied += 1
-            self.last_update = UpdateTimings(
-                version=req.version,
-                total_bytes=result.total_bytes,
-                receive_seconds=result.receive_seconds,
-                apply_seconds=result.apply_seconds,
-                pause_seconds=result.pause_seconds,
-            )
-            self.metrics.record_update(result)
+            self._publish_update(result)
         except BaseException as e:
-            result.error = f"{type(e).__name__}: {_short(e)}"
-            self.last_error = f"update to version {req.version} failed: {result.error}"
-            log.error(self.last_error)
-            self.metrics.updates.labels(result="error").inc()
-            if self._loaded_any:
-                # SGLang loads each bucket as it arrives: never serve a mix silently.
-                self.unhealthy = f"weights may be partially applied (version {req.version}): {result.error}; restart the server"
+            # SGLang loads each bucket as it arrives, so any loaded bucket means a possible mix.
+            self._record_failed_update(result, e, partially_applied=self._loaded_any)
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:

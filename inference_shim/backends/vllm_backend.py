@@ -346,25 +346,9 @@ class VllmBackend(Backend):
             applying = False
             result.pause_seconds = time.perf_counter() - paused_at
             result.apply_seconds = max(apply_seconds)
-            result.ok = True
-            self.version = req.version
-            self.updates_applied += 1
-            self.last_update = UpdateTimings(
-                version=req.version,
-                total_bytes=result.total_bytes,
-                receive_seconds=result.receive_seconds,
-                apply_seconds=result.apply_seconds,
-                pause_seconds=result.pause_seconds,
-            )
-            self.metrics.record_update(result)
+            self._publish_update(result)
         except BaseException as e:
-            result.error = f"{type(e).__name__}: {_short(e)}"
-            self.last_error = f"update to version {req.version} failed: {result.error}"
-            log.error(self.last_error)
-            self.metrics.updates.labels(result="error").inc()
-            if applying:
-                # Some tensors may be applied: never serve a mix silently.
-                self.unhealthy = f"weights may be partially applied (version {req.version}): {result.error}; restart the server"
+            self._record_failed_update(result, e, partially_applied=applying)
             try:
                 await self.engine.collective_rpc("pr_discard", timeout=30)
             except Exception:
