@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+
+from inference_shim.process_tree import stop_process_tree  # noqa: F401 (re-exported)
 
 START_DEADLINE_S = 300.0
 PORT_ATTEMPTS = 3  # a picked free port can be taken by another process before the server binds it
@@ -55,19 +56,6 @@ def start_process(cmd: list[str], log_path: Path, env: dict[str, str] | None = N
         )
     finally:
         log.close()
-
-
-def stop_process_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after grace_s."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

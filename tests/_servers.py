@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from inference_shim.process_tree import stop_process_tree  # noqa: F401 (re-exported)
+
 SERVER_START_DEADLINE_S = 300.0
 
 
@@ -25,21 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def stop_process_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after grace_s."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
 
 
 def wait_healthy(

@@ -54,6 +54,7 @@ from inference_shim.backends.base import (
     validate_update,
 )
 from inference_shim.metrics import ShimMetrics
+from inference_shim.process_tree import stop_process_tree as _stop_tree
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     Bucket,
@@ -644,19 +645,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stop_tree(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM SGLang's whole session (HTTP server, scheduler, detokenizer), SIGKILL what outlives grace_s."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
 
 
 def _short(e: BaseException, limit: int = 400) -> str:
