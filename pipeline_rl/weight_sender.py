@@ -50,6 +50,7 @@ from inference_shim.transfer import (
     connect_store,
     join_group,
     pack_bucket,
+    single_thread,
     start_broadcast,
     tensor_meta,
     wait_work,
@@ -261,10 +262,9 @@ class WeightSender:
                 indices = [slot.index for slot in bucket.slots]
                 full: list[torch.Tensor | None] = [None] * len(metas)
                 for index, tensor in zip(indices, fetch(indices), strict=True):
-                    full[index] = (
-                        tensor.to(dtype=dtype) if dtype is not None and tensor.dtype != dtype else tensor
-                    )
-                packed = pack_bucket(bucket, full, self._buffer(i, bucket.nbytes, group.device))
+                    full[index] = tensor
+                with single_thread():  # the trainer computes nothing during a push; see pack_bucket
+                    packed = pack_bucket(bucket, full, self._buffer(i, bucket.nbytes, group.device), dtype)
                 work = start_broadcast(group, packed)
                 if in_flight is not None:
                     wait_work(group, in_flight[0], f"broadcasting bucket {in_flight[1]} of version {version}")

@@ -54,7 +54,12 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def start_server(
-    model_dir: str | Path, log_path: Path, *, token: str | None = None, extra: tuple[str, ...] = ()
+    model_dir: str | Path,
+    log_path: Path,
+    *,
+    token: str | None = None,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ):
     """Start `pipeline-rl serve` on a free port; returns (url, process). Caller stops it."""
     port = free_port()
@@ -71,22 +76,31 @@ def start_server(
     ]
     if token:
         cmd += ["--token", token]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return f"http://127.0.0.1:{port}", proc
+
+
+def own_core(index: int) -> dict[str, str]:
+    """Environment that binds server `index`'s vLLM-CPU worker to a core of its own (round robin).
+
+    vLLM's automatic binding puts every server's worker on the same core, where one starves the other.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
 
 
 @contextlib.contextmanager
 def running_servers(
     model_dir: str | Path, log_dir: Path, count: int, *, token: str | None = None, extra: tuple[str, ...] = ()
 ) -> Iterator[list[str]]:
-    """Start `count` servers at once (their ~30 s startups overlap) and stop them all on exit."""
+    """Start `count` servers at once (their ~30 s startups overlap), each on its own core; stop on exit."""
     started = []
     try:
         for i in range(count):
             log_path = log_dir / f"server{i}.log"
-            url, proc = start_server(model_dir, log_path, token=token, extra=extra)
+            url, proc = start_server(model_dir, log_path, token=token, extra=extra, env=own_core(i))
             started.append((url, proc, log_path))
         for url, proc, log_path in started:
             wait_healthy(url, proc, log_path)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _servers import free_port, start_server, stop_process_tree, wait_healthy
+from _servers import free_port, own_core, start_server, stop_process_tree, wait_healthy
 
 from inference_shim.client import AsyncShimClient
 from pipeline_rl.actor import (
@@ -295,7 +295,7 @@ def server_pool(model_dir, tmp_path_factory):
     pool: list[LiveServer] = []
     try:
         for i in range(2):  # start both before waiting: the ~35 s startups overlap
-            url, proc = start_server(model_dir, logs / f"server{i}.log")
+            url, proc = start_server(model_dir, logs / f"server{i}.log", env=own_core(i))
             pool.append(LiveServer(url, proc, logs / f"server{i}.log"))
         for s in pool:
             wait_healthy(s.url, s.proc, s.log)
@@ -310,7 +310,7 @@ def servers(server_pool, model_dir) -> list[LiveServer]:
     """The module's two servers, restarting any a previous test killed."""
     for i, s in enumerate(server_pool):
         if s.proc.poll() is not None:
-            url, proc = start_server(model_dir, s.log)
+            url, proc = start_server(model_dir, s.log, env=own_core(i))
             wait_healthy(url, proc, s.log)
             server_pool[i] = LiveServer(url, proc, s.log)
     return server_pool
@@ -499,7 +499,9 @@ def test_lag_and_backlog_stay_bounded_and_resume(servers, redis_server, limit, a
 
 @pytest.mark.slow
 def test_a_killed_server_loses_and_duplicates_nothing(servers, redis_server) -> None:
-    # Keep this test last among the `servers` tests: it kills server 1.
+    # Keep this test last among the `servers` tests: it kills server 1. Enough groups that the actor is
+    # still busy well after the kill, even on a fast machine.
+    groups_total = 64
     cfg = _config(
         redis_server.url,
         [s.url for s in servers],
@@ -513,7 +515,7 @@ def test_a_killed_server_loses_and_duplicates_nothing(servers, redis_server) -> 
 
     def actor() -> None:
         try:
-            result["summary"] = asyncio.run(run_actor(cfg, 0, max_groups=24))
+            result["summary"] = asyncio.run(run_actor(cfg, 0, max_groups=groups_total))
         except BaseException as err:  # surfaced below
             result["error"] = err
 
@@ -521,12 +523,18 @@ def test_a_killed_server_loses_and_duplicates_nothing(servers, redis_server) -> 
     thread.start()
     victim = servers[1]
     writer = make_writer(cfg.streams, ROLLOUTS)
+    written_before = writer.total_written()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # kill it while it holds requests, after some groups are out
+    while True:  # catch the victim holding requests, after some groups are out
+        assert time.monotonic() < deadline and thread.is_alive(), "the actor never had requests on the victim"
         state = httpx.get(f"{victim.url}/debug/state", timeout=5).json()
-        if state["in_flight_requests"] > 0 and writer.total_written() >= 2:
+        if state["in_flight_requests"] > 0 and writer.total_written() - written_before >= 2:
             break
-        time.sleep(0.02)
+    # Freeze it at once (its requests can no longer finish; new ones routed to it hang), let the actor
+    # route more to it, then kill it: the actor must see failures however fast the machine is.
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
+    time.sleep(0.5)
+    assert thread.is_alive(), "the actor finished before the victim was killed: give it more work"
     os.killpg(victim.proc.pid, signal.SIGKILL)
     killed_at = time.time()
     thread.join(120)
@@ -534,10 +542,11 @@ def test_a_killed_server_loses_and_duplicates_nothing(servers, redis_server) -> 
     summary = result["summary"]
     groups = _read_all(cfg, ROLLOUTS)
     ids = [g.group_id for g in groups]
-    assert len(ids) == len(set(ids)) == 24 == summary.groups_started == summary.groups_written
+    assert len(ids) == len(set(ids)) == groups_total == summary.groups_started == summary.groups_written
     task = make_task(cfg.task)
     first = [
-        p.prompt_index for p, _ in zip(task.problems(0, 1, cfg.actor.seed, "train"), range(24), strict=False)
+        p.prompt_index
+        for p, _ in zip(task.problems(0, 1, cfg.actor.seed, "train"), range(groups_total), strict=False)
     ]
     assert sorted(g.prompt_index for g in groups) == sorted(first)  # every prompt started, once
     assert summary.server_failures >= 1 and summary.retries >= 1

@@ -219,34 +219,44 @@ def test_openai_client_chat_plain_and_streamed(deployment):
     assert finish in ("stop", "length") and 1 <= len(tokens) <= 8 and isinstance(text, str)
 
 
-# Long enough that every stream outlasts a weight push even on a loaded 2-core machine (the chat prompt
-# is ~20 tokens; the servers' max_model_len is 512).
-STREAM_TOKENS = 460
+# Each client thread streams one request after another until the push is over, so requests are mid-
+# generation on both servers whenever the update lands, however fast or loaded the machine is (a fixed
+# set of long requests can all finish before a push on a fast machine). Clients ask for different
+# lengths so they do not run in lockstep: equal requests started together all end together, and an
+# update landing in the gap before the next ones' first token would find nothing to span. The chat
+# prompt is ~20 tokens; the servers' max_model_len is 512.
+def _stream_tokens(index: int) -> int:
+    return 120 + 20 * index
 
 
-def _stream_until_done(url: str, index: int, started: threading.Event, results: dict) -> None:
+def _stream_one(url: str, index: int, started: threading.Event) -> tuple[int, str, list]:
     body = {
         "messages": [{"role": "user", "content": f"{index}+1="}],
-        "max_tokens": STREAM_TOKENS,
+        "max_tokens": _stream_tokens(index),
         "ignore_eos": True,
         "stream": True,
         "logprobs": True,
     }
     tokens, last = 0, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            tokens += len(choice.get("token_ids") or [])
+            if tokens:
+                started.set()
+            if choice.get("finish_reason"):
+                last = choice
+    return tokens, last["finish_reason"], last["weight_versions"]
+
+
+def _stream_until_stopped(url: str, index: int, started: threading.Event, stop: threading.Event, out: list):
     try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choice = json.loads(line[6:])["choices"][0]
-                tokens += len(choice.get("token_ids") or [])
-                if tokens:
-                    started.set()
-                if choice.get("finish_reason"):
-                    last = choice
-        results[index] = (tokens, last["finish_reason"], last["weight_versions"])
-    except Exception as e:  # surfaced by the assertion on `results`
-        results[index] = e
+        while not stop.is_set():
+            out.append(_stream_one(url, index, started))
+    except Exception as e:  # surfaced by the assertions on `out`
+        out.append(e)
         started.set()
 
 
@@ -255,37 +265,47 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
     servers = deployment.urls
     before = [_version(u) for u in servers]
     assert before[0] == before[1]
+    version = before[0] + 1
     sender = WeightSender(servers, token=TOKEN, backend=deployment.transport, timeout_s=60)
     sender.connect()
+    stop = threading.Event()
+    outcomes: list[list] = [[] for _ in range(8)]
+    started = [threading.Event() for _ in range(8)]
+    threads = [
+        threading.Thread(
+            target=_stream_until_stopped, args=(servers[i % 2], i, started[i], stop, outcomes[i])
+        )
+        for i in range(8)
+    ]
     try:
-        results: dict = {}
-        started = [threading.Event() for _ in range(8)]
-        threads = [
-            threading.Thread(target=_stream_until_done, args=(servers[i % 2], i, started[i], results))
-            for i in range(8)
-        ]
         for t in threads:
             t.start()
-        for event in started:  # every request is mid-generation before the update starts
+        for event in started:  # every client is mid-generation before the update starts
             assert event.wait(120)
-        version = before[0] + 1
         report = sender.push_tensors(version, _named_params(models["other"]))
+    finally:
+        stop.set()
         for t in threads:
             t.join(180)
-    finally:
         sender.close()
 
     assert report.num_buckets >= 1 and len(report.results) == 2 and all(r.ok for r in report.results)
-    assert sorted(results) == list(range(8))
-    spanning = 0
-    for index, outcome in results.items():
-        assert not isinstance(outcome, Exception), f"request {index} failed: {outcome}"
-        tokens, finish, spans = outcome
-        assert (tokens, finish) == (STREAM_TOKENS, "length"), f"request {index} did not finish normally"
-        assert spans[0]["start"] == 0 and spans[-1]["end"] == STREAM_TOKENS
-        assert [s["version"] for s in spans] in ([before[0]], [before[0], version], [version])
-        spanning += len(spans) == 2
-    assert spanning >= 1, "no request spanned the update: it was not inflight"
+    spanning = {url: 0 for url in servers}
+    for index, results in enumerate(outcomes):
+        assert results, f"client {index} got no answer"
+        for outcome in results:
+            assert not isinstance(outcome, Exception), f"client {index} failed: {outcome!r}"
+            tokens, finish, spans = outcome
+            assert (tokens, finish) == (_stream_tokens(index), "length"), (
+                f"client {index}: a request did not end"
+            )
+            assert spans[0]["start"] == 0 and spans[-1]["end"] == tokens
+            assert [s["version"] for s in spans] in ([before[0]], [before[0], version], [version])
+            spanning[servers[index % 2]] += len(spans) == 2
+        assert results[-1][2][-1]["version"] == version  # each client's last request ended on the new weights
+    assert all(spanning.values()), (
+        f"requests spanning the update per server: {spanning} (it was not inflight)"
+    )
 
     for url in servers:
         state = httpx.get(f"{url}/debug/state", timeout=10).json()
@@ -295,6 +315,25 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
         _assert_serves(deployment, url, models["other"])
     metrics = httpx.get(f"{servers[0]}/metrics", timeout=10).text
     assert f"shim_weight_version {float(version)}" in metrics
+
+
+@pytest.mark.slow
+def test_successive_updates_in_one_group_are_each_served_exactly(deployment, models):
+    # Servers keep their staging buffers between the updates of one group (each update is received
+    # into the memory the previous one was applied from): every update must still be served exactly.
+    servers = deployment.urls
+    sender = WeightSender(servers, token=TOKEN, backend=deployment.transport, timeout_s=60)
+    sender.connect()
+    try:
+        version = _version(servers[0])
+        for name in ("other", "base", "other", "base"):
+            version += 1
+            report = sender.push_tensors(version, _named_params(models[name]))
+            assert all(r.ok for r in report.results) and [_version(u) for u in servers] == [version] * 2
+            for url in servers:
+                _assert_serves(deployment, url, models[name])
+    finally:
+        sender.close()
 
 
 @pytest.mark.slow
