@@ -97,6 +97,10 @@ class ServerSpec:
 
     def environment(self, index: int) -> dict[str, str]:
         env = engine_env()
+        # Default: each server's vLLM-CPU worker on a core of its own (round robin). vLLM's automatic
+        # binding puts every server's worker on the same core (finding F4 in docs/benchmarks.md).
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
         for key, value in self.env:
             choices = value.split("/")
             env[key] = choices[index % len(choices)]

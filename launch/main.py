@@ -274,9 +274,7 @@ class Launcher:
             except Exception as e:  # a failed evaluation is reported, the run goes on
                 print(f"(periodic evaluation failed: {e})", flush=True)
                 return
-            row = {"type": "eval", "time": time.time(), **result}
-            with (self.run_dir / "stats.jsonl").open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            self._record_eval(result, "periodic")
 
         if self._eval_thread is None or not self._eval_thread.is_alive():
             self._eval_thread = threading.Thread(target=run, name="periodic-eval", daemon=True)
@@ -333,6 +331,12 @@ class Launcher:
         )
         return 1
 
+    def _record_eval(self, result: dict, when: str) -> None:
+        """Append an evaluation to stats.jsonl, where the report's plots and the benchmarks read it."""
+        row = {"type": "eval", "time": time.time(), "when": when, **result}
+        with (self.run_dir / "stats.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def _evaluate(self, when: str) -> None:
         from launch.evaluate import evaluate_server
 
@@ -340,6 +344,7 @@ class Launcher:
             self.cfg.inference.urls[0], self.cfg.task, self.cfg.eval.num_problems, self.cfg.eval.max_tokens
         )
         self.evals[when] = result
+        self._record_eval(result, when)
         print(
             f"held-out accuracy {when} RL: {result['accuracy']:.1%} (weight version {result['weight_version']})",
             flush=True,

@@ -51,8 +51,21 @@ def make_plots(run_dir: Path, started_at: float) -> list[Path]:
 
     t, reward = _series(rows, "trainer", "reward")
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([x - started_at for x in t], reward, marker=".", lw=1)
-    ax.set(xlabel="wall time (s)", ylabel="mean reward of trained samples", title="Reward vs wall time")
+    ax.plot([x - started_at for x in t], reward, marker=".", lw=1, label="reward of trained samples")
+    # Held-out evaluations (greedy, before RL, every eval.every_s, after RL) on the same axis: the
+    # reward of trained samples depends on which groups were kept, the held-out accuracy does not.
+    evals = [r for r in rows if r.get("type") == "eval" and isinstance(r.get("accuracy"), int | float)]
+    if evals:
+        ax.plot(
+            [max(0.0, r["time"] - started_at) for r in evals],
+            [r["accuracy"] for r in evals],
+            "s-",
+            color="tab:green",
+            lw=1.2,
+            label="held-out accuracy",
+        )
+        ax.legend(fontsize=8)
+    ax.set(xlabel="wall time (s)", ylabel="reward / accuracy", title="Reward and held-out accuracy")
     ax.grid(alpha=0.3)
     save(fig, "reward_vs_time.png")
 

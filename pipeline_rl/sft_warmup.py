@@ -3,10 +3,12 @@
     python -m pipeline_rl.sft_warmup --base artifacts/tiny-base --out artifacts/tiny-arith --steps 300
 
 RL needs a policy that already answers in the right format some of the time; a model initialised at
-random never earns a reward. The demo therefore trains the tiny model for about a minute on canonical
-solutions (prompt tokens masked out), deliberately stopping while accuracy is still low so that RL has
-visible room to improve. Result and settings are written next to the model (warmup.json) and reused
-when nothing changed.
+random never earns a reward. The warm-up trains the tiny model for about a minute on worked answers
+(prompt tokens masked out). `answer_styles` sets how those answers are written: only `answer: N` is
+what the prompt asks for and what the grader reads; a corpus that mostly writes `answer: +N` gives a
+model that computes the answer but mostly does not write it the way the reward needs -
+the situation RL is used for in practice, shrunk to minutes (docs/decisions.md, "The demo"). Result
+and settings are written next to the model (warmup.json) and reused when nothing changed.
 """
 
 from __future__ import annotations
@@ -15,12 +17,26 @@ import argparse
 import json
 import math
 import os
+import random
+import re
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from pipeline_rl.tasks import Problem, TaskConfig, arith_solution_text, make_task
+
+# How a worked answer can be written. "answer" (`answer: 12`) is what the prompt asks for and what the
+# grader reads; "signed" writes non-negative results with an explicit plus sign (`answer: +12`), which
+# the grader does not accept as an integer. Negative results read the same in both styles.
+ANSWER_STYLES = ("answer", "signed")
+
+
+def styled_answer(problem: Problem, style: str) -> str:
+    canonical = arith_solution_text(problem)
+    if style == "signed" and not problem.answer.startswith("-"):
+        return canonical.replace("answer: ", "answer: +", 1)
+    return canonical
 
 
 class WarmupConfig(BaseModel):
@@ -31,6 +47,22 @@ class WarmupConfig(BaseModel):
     learning_rate: float = Field(3e-3, gt=0, description="AdamW learning rate (cosine decay to 10%).")
     seed: int = Field(0, description="Data and init seed.")
     eval_problems: int = Field(200, ge=1, description="Held-out problems for the accuracy figure.")
+    answer_styles: dict[str, float] = Field(
+        default_factory=lambda: {"answer": 1.0},
+        description=f"Share of demonstrations written in each style of {list(ANSWER_STYLES)}; only "
+        "'answer' is what the grader accepts.",
+    )
+
+    @field_validator("answer_styles")
+    @classmethod
+    def _known_styles(cls, styles: dict[str, float]) -> dict[str, float]:
+        unknown = set(styles) - set(ANSWER_STYLES)
+        if unknown or not styles or any(w < 0 for w in styles.values()) or sum(styles.values()) <= 0:
+            raise ValueError(
+                f"answer_styles={styles}: give non-negative weights (not all zero) to styles from "
+                f"{list(ANSWER_STYLES)}"
+            )
+        return styles
 
 
 def _encode(tokenizer, problem: Problem, answer_text: str | None) -> tuple[list[int], int]:
@@ -45,9 +77,13 @@ def _encode(tokenizer, problem: Problem, answer_text: str | None) -> tuple[list[
     return prompt + completion, len(prompt)
 
 
-def greedy_accuracy(model, tokenizer, task, problems: list[Problem], max_tokens: int = 16) -> float:
+def greedy_accuracy(
+    model, tokenizer, task, problems: list[Problem], max_tokens: int = 16, *, any_style: bool = False
+) -> float:
     """Exact-match accuracy of greedy completions (transformers generate).
 
+    any_style=True grades the last integer of the completion in any answer style (arith only): the
+    arithmetic the model knows, whatever the format the grader demands.
     Prompts are batched by length so that no padding is needed: left padding would shift the
     positions of a model that derives them from the sequence index.
     """
@@ -72,7 +108,11 @@ def greedy_accuracy(model, tokenizer, task, problems: list[Problem], max_tokens:
             )
         for i, (problem, _) in enumerate(batch):
             text = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
-            correct += task.grade(problem, text) == "correct"
+            if any_style:
+                numbers = re.findall(r"-?\d+", text)
+                correct += bool(numbers) and numbers[-1] == problem.answer
+            else:
+                correct += task.grade(problem, text) == "correct"
     return correct / len(problems)
 
 
@@ -93,6 +133,8 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
         optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, cfg.steps)))
     )
     train = task.problems(shard_index=0, num_shards=1, seed=cfg.seed + 12345, split="train")
+    style_rng = random.Random(cfg.seed)
+    styles, weights = zip(*cfg.answer_styles.items(), strict=True)
     start = time.monotonic()
     model.train()
     losses = []
@@ -100,7 +142,8 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
         rows = []
         for _ in range(cfg.batch_size):
             problem = next(train)
-            rows.append(_encode(tokenizer, problem, arith_solution_text(problem)))
+            style = style_rng.choices(styles, weights)[0]
+            rows.append(_encode(tokenizer, problem, styled_answer(problem, style)))
         width = max(len(r[0]) for r in rows)
         ids = torch.full((len(rows), width), tokenizer.pad_token_id)
         labels = torch.full((len(rows), width), -100)
@@ -125,6 +168,9 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
     seconds = time.monotonic() - start
     test = list(task.problems(shard_index=0, num_shards=1, seed=cfg.seed, split="test"))[: cfg.eval_problems]
     accuracy = greedy_accuracy(model, tokenizer, task, test)
+    # The same completions graded on the number alone, whatever the style: how much of the arithmetic
+    # the model knows, as opposed to what the reward accepts.
+    number_accuracy = greedy_accuracy(model, tokenizer, task, test, any_style=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -134,6 +180,7 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
             (out / extra).write_bytes((Path(base_dir) / extra).read_bytes())
     result = {
         "accuracy": accuracy,
+        "number_accuracy": number_accuracy,
         "seconds": seconds,
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "warmup": cfg.model_dump(),

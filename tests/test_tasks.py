@@ -70,6 +70,7 @@ def _take(task, n: int, **kwargs) -> list[Problem]:
         ("-9", "unparseable"),
         ("Answer: -9", "unparseable"),
         ("answer: -9.5", "unparseable"),
+        ("answer: +9", "unparseable"),
         ("answer: minus nine", "unparseable"),
         ("", "unparseable"),
     ],
@@ -138,6 +139,26 @@ def test_arith_solutions_grade_correct_and_alphabet_covers_everything():
             assert task.grade(problem, solution) == "correct"
             text = "".join(m["content"] for m in problem.messages) + solution
             assert set(text) <= set(ARITH_ALPHABET), set(text) - set(ARITH_ALPHABET)
+
+
+def test_warmup_answer_styles_differ_only_in_what_the_grader_accepts():
+    from pipeline_rl.sft_warmup import ANSWER_STYLES, WarmupConfig, styled_answer
+
+    task = ArithTask(max_operand=29, operators="+-")
+    problems = _take(task, 300, shard_index=0, num_shards=1, seed=0, split="train")
+    assert any(p.answer.startswith("-") for p in problems) and any(p.answer != "0" for p in problems)
+    for problem in problems:
+        plain, signed = styled_answer(problem, "answer"), styled_answer(problem, "signed")
+        assert plain == arith_solution_text(problem) and task.grade(problem, plain) == "correct"
+        if problem.answer.startswith("-"):
+            assert signed == plain  # a negative result reads the same in both styles
+        else:
+            assert signed == f"answer: +{problem.answer}" and task.grade(problem, signed) == "unparseable"
+        assert set(signed) <= set(ARITH_ALPHABET)
+    assert set(ANSWER_STYLES) == {"answer", "signed"}
+    for bad in ({}, {"answer": -1.0}, {"answer": 0.0}, {"boxed": 1.0}):
+        with pytest.raises(ValueError, match="answer_styles"):
+            WarmupConfig(answer_styles=bad)
 
 
 def test_task_config_validates_arith_difficulty():
