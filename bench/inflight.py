@@ -2,13 +2,14 @@
 into it, against the same load with no updates, in interleaved windows of one run.
 
     pipeline-rl bench inflight                       # 10 MB model, 32 streams, windows of 10 s
-    pipeline-rl bench inflight --update-every-s 2    # a slower trainer
+    pipeline-rl bench inflight --update-every-s 2,5  # other trainer step times
     pipeline-rl bench inflight --quick               # tiny model, short windows: smoke test
 
 Load: 32 closed-loop streaming chat requests (64 tokens, ignore_eos) run through the whole benchmark.
-Windows rotate between three modes: `none` (no updates), `every K s` (a push every K seconds, a trainer
-that takes K s per optimizer step) and `back-to-back` (the next push starts when the last one ends, the
-worst case). Pushes come from a separate process (bench/pusher.py). Between windows a short settle gap
+Windows rotate between the modes: `none` (no updates), `every K s` for each K of --update-every-s
+(default 1 and 3: a push every K seconds, a trainer that takes K s per optimizer step; the demo's trainer
+takes ~2.8 s on this machine) and `back-to-back` (the next push starts when the last one ends, the worst
+case). The goal is judged at the demo's cadence, DEMO_STEP_S; every cadence is reported. Pushes come from a separate process (bench/pusher.py). Between windows a short settle gap
 is not counted, so the re-prefill after a window's last update never lands in the next window.
 """
 
@@ -38,13 +39,14 @@ from bench.servers import ServerSpec
 CONCURRENCY = 32
 MAX_TOKENS = 64
 SETTLE_S = 1.0
+DEMO_STEP_S = 3.0  # the demo trainer's optimizer step on a 2-core box (~2.8 s measured), rounded up
 
 
 def _settings(ctx: BenchContext) -> dict:
     return {
         "model": ctx.options.get("model") or ("tiny" if ctx.quick else "10mb"),
         "window_s": ctx.options.get("window_s") or (2.0 if ctx.quick else 10.0),
-        "every_s": ctx.options.get("update_every_s") or 1.0,
+        "every_s": [float(x) for x in str(ctx.options.get("update_every_s") or "1,3").split(",")],
         "concurrency": CONCURRENCY,
     }
 
@@ -93,8 +95,10 @@ class Pusher:
 
 async def _measure(ctx: BenchContext, url: str, model_dir: Path, s: dict) -> dict:
     load = ClosedLoop(url, await served_model(url), s["concurrency"], MAX_TOKENS, stream=True, ramp_s=2.0)
-    modes = ["none", f"every {s['every_s']:g} s", "back-to-back"]
-    every = {modes[0]: None, modes[1]: s["every_s"], modes[2]: 0.0}
+    every: dict[str, float | None] = {"none": None}
+    every |= {f"every {k:g} s": k for k in s["every_s"]}
+    every["back-to-back"] = 0.0
+    modes = list(every)
     windows: list[dict] = []
     async with Pusher(model_dir, url, ctx.trainer_threads()) as pusher:
         task = asyncio.create_task(load.run())
@@ -205,14 +209,17 @@ def run(ctx: BenchContext) -> dict:
     steal = StealMeter()
     data = asyncio.run(_measure(ctx, url, model_dir, s))
     table, summary = _table(data)
-    every = next(r for r in summary if r["mode"].startswith("every"))
-    b2b = next(r for r in summary if r["mode"] == "back-to-back")
+    by_mode = {r["mode"]: r for r in summary}
+    judged = min(s["every_s"], key=lambda k: abs(k - DEMO_STEP_S))
+    kept = "; ".join(
+        f"{mode}: {100 * by_mode[mode]['of_none']:.1f}%" for mode in data["modes"] if mode != "none"
+    )
     goals = [
         goal_line(
             "throughput with an update after every step >= 95% of none",
-            every["of_none"] >= 0.95,
-            f"An update every {s['every_s']:g} s keeps {100 * every['of_none']:.1f}% of the no-update "
-            f"throughput; back-to-back updates keep {100 * b2b['of_none']:.1f}%.",
+            by_mode[f"every {judged:g} s"]["of_none"] >= 0.95,
+            f"judged at one update every {judged:g} s (the demo trainer's step time); share of the "
+            f"no-update throughput kept: {kept}.",
         )
     ]
     intro = (

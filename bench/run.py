@@ -53,24 +53,10 @@ def _shim(ctx: BenchContext) -> dict:
     return shim.run(ctx)
 
 
-# HOOK for benchmark 3 (pipelined vs synchronous RL): it needs the multi-process launcher (launch/)
-# and lives in bench/pipeline_vs_sync.py with the same run(ctx) / servers_needed(ctx) interface as the
-# others. Until that module exists, asking for it says so and `all` skips it.
-PIPELINE_VS_SYNC_PENDING = (
-    "pipeline-vs-sync needs the launcher (launch/) and bench/pipeline_vs_sync.py, which is not there yet"
-)
-
-
 def _pipeline_vs_sync(ctx: BenchContext) -> dict:
     from bench import pipeline_vs_sync
 
     return pipeline_vs_sync.run(ctx)
-
-
-def _available(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(f"bench.{name.replace('-', '_')}") is not None
 
 
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
@@ -128,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="model size for generation (default 10mb; tiny with --quick)"
     )
     g.add_argument("--window-s", type=float, default=None, help="seconds per measurement window")
-    g.add_argument("--update-every-s", type=float, default=None, help="inflight: seconds between updates")
+    g.add_argument(
+        "--update-every-s", default=None, help="inflight: seconds between updates, e.g. 1,3 (the default)"
+    )
     g.add_argument("--concurrency", default=None, help="shim: concurrency levels, e.g. 1,8,64")
     return p
 
@@ -155,8 +143,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     names = _expand(args.names)
-    if not names:
-        sys.exit(f"pipeline-rl bench: {PIPELINE_VS_SYNC_PENDING}")
     from bench.servers import ServerPool
 
     out_dir = args.out_dir or (QUICK_DIR if args.quick else ARTIFACTS / "bench")
@@ -190,17 +176,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _expand(requested: list[str]) -> list[str]:
-    """Benchmark names in the issue's order; `all` = every one whose module exists."""
+    """Benchmark names in the issue's order; `all` = every one."""
     wanted = set(BENCHMARKS) if "all" in requested else set(requested)
-    names = []
-    for name in BENCHMARKS:
-        if name not in wanted:
-            continue
-        if name == "pipeline-vs-sync" and not _available(name):
-            print(f"pipeline-rl bench: skipping: {PIPELINE_VS_SYNC_PENDING}", file=sys.stderr)
-            continue
-        names.append(name)
-    return names
+    return [name for name in BENCHMARKS if name in wanted]
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
