@@ -3,7 +3,7 @@
     python -m pipeline_rl.sft_warmup --base artifacts/tiny-base --out artifacts/tiny-arith --steps 300
 
 RL needs a policy that already answers in the right format some of the time; a model initialised at
-random never earns a reward. The warm-up trains the tiny model for about a minute on worked answers
+random never earns a reward. The warm-up trains the tiny model for a few minutes on worked answers
 (prompt tokens masked out). `answer_styles` sets how those answers are written: only `answer: N` is
 what the prompt asks for and what the grader reads; a corpus that mostly writes `answer: +N` gives a
 model that computes the answer but mostly does not write it the way the reward needs -
