@@ -1,6 +1,6 @@
 """The weight-transfer data plane, shared by the trainer-side sender and the server-side receiver.
 
-Torch only (no vLLM): pipeline_rl.weight_sender (rank 0) and inference_shim.vllm_worker (ranks >= 1)
+Torch only (no vLLM): inference_shim.weight_sender (rank 0) and inference_shim.vllm_worker (ranks >= 1)
 both build their standalone process group and their flat buckets with these functions, so the two
 sides cannot disagree on layout. The group never touches torch.distributed's default group: it has
 its own TCPStore (hosted by the trainer) and its own ProcessGroupGloo / ProcessGroupNCCL object.

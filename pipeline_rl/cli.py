@@ -4,7 +4,7 @@
     pipeline-rl tiny-model --out DIR [--hidden 64 ...]       build the tiny CPU model
     pipeline-rl launch [key=value ...]                       a whole run (see README)
     pipeline-rl demo                                         the CPU demo
-    pipeline-rl bench NAME                                   benchmarks (bench/)
+    pipeline-rl bench NAME                                   benchmarks (pipeline_rl/bench/)
     pipeline-rl actor|preprocess|train --config RUN/config.json ...   one process (launcher uses these)
     pipeline-rl --help
 
@@ -116,15 +116,15 @@ def _run_tiny_model(args: argparse.Namespace) -> None:
 
 # Subcommands whose module parses its own arguments: name -> (help, "module:function(argv)").
 PASSTHROUGH = {
-    "launch": ("start a whole run: redis, servers, trainer, preprocessors, actors", "launch.main:main"),
-    "demo": ("build + warm up the tiny model, then launch pipelined RL on arith", "launch.demo:main"),
+    "launch": ("start a whole run: redis, servers, trainer, preprocessors, actors", "pipeline_rl.launch.main:main"),
+    "demo": ("build + warm up the tiny model, then launch pipelined RL on arith", "pipeline_rl.launch.demo:main"),
     "actor": ("one actor process (started by the launcher)", "pipeline_rl.actor:main"),
     "preprocess": ("one preprocessor process (started by the launcher)", "pipeline_rl.preprocess:main"),
     "train": (
         "one trainer rank (run under accelerate launch by the launcher)",
         "pipeline_rl.trainer.main:main",
     ),
-    "bench": ("benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim", "bench.run:main"),
+    "bench": ("benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim", "pipeline_rl.bench.run:main"),
 }
 
 

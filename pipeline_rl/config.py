@@ -1,6 +1,6 @@
 """The typed run configuration: one RunConfig, validated once at startup, passed to every process.
 
-The launcher composes conf/*.yaml with command-line overrides (launch/compose.py), validates the result
+The launcher composes conf/*.yaml with command-line overrides (pipeline_rl/launch/compose.py), validates the result
 into RunConfig, fills in what only it knows (server URLs, run directory), and writes it to
 <run_dir>/config.json. Every child process reads that file with `load_run_config` and never sees a raw
 dict. Sections owned by other modules (streams, task, reward, algo, preprocess) are imported here.

@@ -6,7 +6,7 @@ those variables (a plain `python` process, unit tests) it returns a single-rank 
 collective below is the identity, so the same trainer code runs in-process.
 
 This group is only the trainer ranks. The weight-transfer group towards the inference servers is a
-separate, standalone one (pipeline_rl.weight_sender); the two never mix.
+separate, standalone one (inference_shim.weight_sender); the two never mix.
 """
 
 from __future__ import annotations

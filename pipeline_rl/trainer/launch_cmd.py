@@ -29,9 +29,7 @@ import sys
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO_ROOT / "conf"
+from pipeline_rl.paths import CONF_DIR, REPO_ROOT
 
 
 def _free_port() -> int:

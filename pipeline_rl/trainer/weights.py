@@ -29,7 +29,7 @@ from inference_shim.protocol import TensorMeta
 from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm, RankFailure
 from pipeline_rl.trainer.strategy import Strategy
-from pipeline_rl.weight_sender import PushReport, WeightPushError, WeightSender
+from inference_shim.weight_sender import PushReport, WeightPushError, WeightSender
 
 log = logging.getLogger("pipeline_rl.trainer.weights")
 

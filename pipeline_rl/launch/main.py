@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from launch.compose import ConfigError, compose
-from launch.processes import Child, ChildFailed, ProcessSpec, stop_all, wait_healthy, write_command_file
+from pipeline_rl.launch.compose import ConfigError, compose
+from pipeline_rl.launch.processes import Child, ChildFailed, ProcessSpec, stop_all, wait_healthy, write_command_file
 from pipeline_rl.config import RunConfig
 
 ROLES = ("redis", "servers", "trainer", "preprocessors", "actors")
@@ -205,7 +205,7 @@ class Launcher:
             self._shutdown(started)
 
     def _prepare(self, env: dict, status_port: int) -> list[ProcessSpec]:
-        from launch.monitor import RunMonitor, serve_status
+        from pipeline_rl.launch.monitor import RunMonitor, serve_status
 
         cfg = self.cfg
         if "redis" in self.roles and cfg.streams.backend == "redis" and not cfg.streams.redis_url:
@@ -261,7 +261,7 @@ class Launcher:
         """eval.every_s > 0: evaluate in a background thread; results land in stats.jsonl as type 'eval'."""
         import threading
 
-        from launch.evaluate import evaluate_server
+        from pipeline_rl.launch.evaluate import evaluate_server
 
         def run() -> None:
             try:
@@ -338,7 +338,7 @@ class Launcher:
             f.write(json.dumps(row) + "\n")
 
     def _evaluate(self, when: str) -> None:
-        from launch.evaluate import evaluate_server
+        from pipeline_rl.launch.evaluate import evaluate_server
 
         result = evaluate_server(
             self.cfg.inference.urls[0], self.cfg.task, self.cfg.eval.num_problems, self.cfg.eval.max_tokens
@@ -369,7 +369,7 @@ class Launcher:
             self._report(started)
 
     def _report(self, started: float) -> None:
-        from launch.report import make_plots, summarize
+        from pipeline_rl.launch.report import make_plots, summarize
 
         extra = {"mode": self.cfg.mode}
         if "before" in self.evals:

@@ -10,7 +10,7 @@ baseline, vLLM's own OpenAI server on the same model.
 
 Each server runs in its own process session so teardown kills the whole tree (API process, EngineCore,
 workers). The process helpers (free_port, wait_healthy, own_core, stop_process_tree) are shared with
-tests/_servers.py, which imports them from here.
+tests/integration/_servers.py, which imports them from here.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 
 from inference_shim.backends.base import ContractError, validate_update
 from inference_shim.protocol import BUCKET_ALIGN_BYTES, TensorMeta, WeightUpdateRequest, plan_buckets
-from pipeline_rl.weight_sender import WeightPushError, WeightSender
+from inference_shim.weight_sender import WeightPushError, WeightSender
 
 
 def _meta(name: str, shape: list[int], dtype: str = "float32") -> TensorMeta:

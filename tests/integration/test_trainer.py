@@ -386,7 +386,7 @@ def test_truncate_jsonl_keeps_steps_up_to_the_checkpoint(tmp_path):
 
 def test_capture_server_receives_pushes_and_refuses_stale_versions(tiny_model):
     from pipeline_rl.trainer.capture_server import CaptureServer
-    from pipeline_rl.weight_sender import WeightPushError, WeightSender
+    from inference_shim.weight_sender import WeightPushError, WeightSender
 
     named = list(_model(tiny_model).named_parameters())
     with CaptureServer(tiny_model) as capture:
@@ -407,7 +407,7 @@ def test_capture_server_receives_pushes_and_refuses_stale_versions(tiny_model):
 def test_an_unreachable_server_stops_the_trainer_at_connect_with_its_url(tiny_model, tmp_path):
     from pipeline_rl.trainer.ddp import DDPStrategy
     from pipeline_rl.trainer.weights import WeightPublisher
-    from pipeline_rl.weight_sender import WeightPushError
+    from inference_shim.weight_sender import WeightPushError
 
     sys.path.insert(0, str(Path(__file__).parent))
     from _servers import free_port

@@ -5,9 +5,9 @@ no engine, no packing and no apply.
     with RawGloo(receivers=2) as gloo:                 # this process is rank 0; receivers are children
         seconds = gloo.broadcast(source, [bucket.nbytes for bucket in buckets])
 
-Receivers are `python -m bench.gloo_ceiling --port P --rank R --world W` child processes. Rounds are
+Receivers are `python -m pipeline_rl.bench.gloo_ceiling --port P --rank R --world W` child processes. Rounds are
 driven through the group's TCPStore: rank 0 writes round i's bucket sizes to a key and every rank meets
-at a barrier. A round's time is defined exactly as a push's transfer time is (bench/weight_sync.py):
+at a barrier. A round's time is defined exactly as a push's transfer time is (pipeline_rl/bench/weight_sync.py):
 the longer of rank 0's broadcast (first send to last completion) and the slowest receiver's receive,
 because gloo's root can finish sending while bytes still sit in socket buffers.
 """
@@ -61,7 +61,7 @@ class RawGloo:
         world = self.receivers + 1
         store = connect_store("127.0.0.1", 0, is_master=True, world_size=None, timeout_s=TIMEOUT_S)
         for rank in range(1, world):
-            cmd = [sys.executable, "-m", "bench.gloo_ceiling", "--port", str(store.port)]
+            cmd = [sys.executable, "-m", "pipeline_rl.bench.gloo_ceiling", "--port", str(store.port)]
             cmd += ["--rank", str(rank), "--world", str(world)]
             self._procs.append(subprocess.Popen(cmd))
         self.group = join_group(

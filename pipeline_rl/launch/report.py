@@ -1,6 +1,6 @@
-"""End-of-run summary and plots from <run_dir>/stats.jsonl (written by launch/monitor.py).
+"""End-of-run summary and plots from <run_dir>/stats.jsonl (written by pipeline_rl/launch/monitor.py).
 
-    python -m launch.report runs/2026-11-22-120000      # re-make the plots of a finished run
+    python -m pipeline_rl.launch.report runs/2026-11-22-120000      # re-make the plots of a finished run
 
 Plots (PNG, in the run directory): reward vs wall time, reward vs samples, lag of trained tokens per step, throughput over time. The summary (summary.json) holds the figures the README quotes.
 """

@@ -20,7 +20,7 @@ import random
 import time
 import uuid
 
-from bench.common import (
+from pipeline_rl.bench.common import (
     BenchContext,
     StealMeter,
     goal_line,
@@ -30,9 +30,9 @@ from bench.common import (
     rotate,
     section,
 )
-from bench.load import ClosedLoop, served_model
-from bench.models import bench_model
-from bench.servers import ServerSpec
+from pipeline_rl.bench.load import ClosedLoop, served_model
+from pipeline_rl.bench.models import bench_model
+from pipeline_rl.bench.servers import ServerSpec
 
 GEN_CONCURRENCY = 32
 GEN_TOKENS = 64

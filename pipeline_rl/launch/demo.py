@@ -97,7 +97,7 @@ def prepare_model() -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from launch import main as launch_main
+    from pipeline_rl.launch import main as launch_main
 
     model = prepare_model()
     launch_main.main([f"model_path={model}", *DEMO_OVERRIDES, *(argv or [])])

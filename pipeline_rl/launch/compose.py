@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline_rl.config import RunConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from pipeline_rl.paths import CONF_DIR
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,6 @@
 """A STAND-IN for SGLang's HTTP server, for contract tests on machines where SGLang cannot run.
 
-    python tests/sglang_standin.py --model-path DIR --host 127.0.0.1 --port 30000 [--api-key K] [--step-ms 10]
+    python tests/integration/sglang_standin.py --model-path DIR --host 127.0.0.1 --port 30000 [--api-key K] [--step-ms 10]
 
 This is NOT SGLang (which needs CUDA: see NOTES-vllm-cpu.md). It speaks the part of SGLang 0.5.23's HTTP
 API that inference_shim/backends/sglang_backend.py uses, read from SGLang's http_server.py, io_struct.py,

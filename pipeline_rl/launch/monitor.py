@@ -2,7 +2,7 @@
 a one-line progress display, and `GET /status` (curl-friendly JSON aggregating every process).
 
 Everything read from the streams is also appended to <run_dir>/stats.jsonl, which the end-of-run report
-(launch/report.py) plots from.
+(pipeline_rl/launch/report.py) plots from.
 """
 
 from __future__ import annotations

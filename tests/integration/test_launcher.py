@@ -19,7 +19,7 @@ import pytest
 
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SMALL_RUN = [
     "inference.max_model_len=96",
     "inference.max_num_seqs=32",
@@ -179,7 +179,7 @@ def test_ctrl_c_leaves_no_process_behind(tiny_model, tmp_path):
 
 
 def test_switching_engine_changes_only_the_backend():
-    from launch.compose import compose
+    from pipeline_rl.launch.compose import compose
 
     vllm = compose(["platform=gpu", "inference=vllm"]).model_dump()
     sglang = compose(["platform=gpu", "inference=sglang"]).model_dump()
@@ -188,8 +188,8 @@ def test_switching_engine_changes_only_the_backend():
 
 
 def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
-    from launch.compose import compose
-    from launch.main import resolve
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.main import resolve
 
     cfg = resolve(compose(["mode=sync", "actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
     assert cfg.actor.max_lag == 0 and cfg.actor.max_buffered_groups == 4

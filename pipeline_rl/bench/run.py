@@ -3,7 +3,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
 
     pipeline-rl bench weight-sync          # 1. weight push vs raw gloo vs memcpy, 1 and 2 servers
     pipeline-rl bench inflight             # 2. generation throughput with/without weight updates
-    pipeline-rl bench pipeline-vs-sync     # 3. pipelined vs synchronous RL (bench/pipeline_vs_sync.py)
+    pipeline-rl bench pipeline-vs-sync     # 3. pipelined vs synchronous RL (pipeline_rl/bench/pipeline_vs_sync.py)
     pipeline-rl bench streams              # 4. per-sample cost of the stream path vs raw Redis
     pipeline-rl bench shim                 # 5. shim vs vLLM's own OpenAI server, 1/8/64 concurrent
     pipeline-rl bench all                  # every one, in that order, sharing servers
@@ -26,35 +26,35 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import ARTIFACTS, DEFAULT_DOC, DEFAULT_IMG_DIR, QUICK_DIR, BenchContext
+from pipeline_rl.bench.common import ARTIFACTS, DEFAULT_DOC, DEFAULT_IMG_DIR, QUICK_DIR, BenchContext
 
 
 def _weight_sync(ctx: BenchContext) -> dict:
-    from bench import weight_sync
+    from pipeline_rl.bench import weight_sync
 
     return weight_sync.run(ctx)
 
 
 def _inflight(ctx: BenchContext) -> dict:
-    from bench import inflight
+    from pipeline_rl.bench import inflight
 
     return inflight.run(ctx)
 
 
 def _streams(ctx: BenchContext) -> dict:
-    from bench import streams
+    from pipeline_rl.bench import streams
 
     return streams.run(ctx)
 
 
 def _shim(ctx: BenchContext) -> dict:
-    from bench import shim
+    from pipeline_rl.bench import shim
 
     return shim.run(ctx)
 
 
 def _pipeline_vs_sync(ctx: BenchContext) -> dict:
-    from bench import pipeline_vs_sync
+    from pipeline_rl.bench import pipeline_vs_sync
 
     return pipeline_vs_sync.run(ctx)
 
@@ -104,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--trainer-threads",
         type=int,
         default=None,
-        help="torch threads of the pushing process (default: half the cores, as launch/ gives a trainer)",
+        help="torch threads of the pushing process (default: half the cores, as pipeline_rl/launch/ gives a trainer)",
     )
     g = p.add_argument_group("weight-sync")
-    g.add_argument("--sizes", default=None, help="model sizes, e.g. 10mb,100mb,500mb (bench/models.py)")
+    g.add_argument("--sizes", default=None, help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py)")
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
     g = p.add_argument_group("inflight, streams, shim")
     g.add_argument(
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     names = _expand(args.names)
-    from bench.servers import ServerPool
+    from pipeline_rl.bench.servers import ServerPool
 
     out_dir = args.out_dir or (QUICK_DIR if args.quick else ARTIFACTS / "bench")
     ctx = BenchContext(

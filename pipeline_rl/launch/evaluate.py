@@ -1,6 +1,6 @@
 """Held-out accuracy of whatever weights a server is serving: greedy completions of the task's test split.
 
-    python -m launch.evaluate --url http://127.0.0.1:8000 --problems 200
+    python -m pipeline_rl.launch.evaluate --url http://127.0.0.1:8000 --problems 200
 
 The launcher calls `evaluate_server` before RL starts (version 0) and after the last step, through the
 same HTTP contract the actor uses, so the figure is exactly what the served weights do.

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO_ROOT, BenchContext, goal_line, markdown_table, publish, section
+from pipeline_rl.bench.common import REPO_ROOT, BenchContext, goal_line, markdown_table, publish, section
 
 # Held-out accuracies whose first crossing is timed; the goal is judged at TARGET (the demo holds ~95%
 # after two minutes, so 90% takes a few dozen steps; 50% is crossed within the first evaluations).
@@ -34,7 +34,7 @@ def servers_needed(ctx: BenchContext) -> list:
 
 
 def _launch(ctx: BenchContext, mode: str, model: Path, run_dir: Path, wall_s: int) -> None:
-    from launch.demo import DEMO_OVERRIDES
+    from pipeline_rl.launch.demo import DEMO_OVERRIDES
 
     overrides = [o for o in DEMO_OVERRIDES if not o.startswith("max_wall_s=")]
     cmd = [sys.executable, "-m", "pipeline_rl.cli", "launch", f"model_path={model}", f"run_dir={run_dir}"]
@@ -92,7 +92,7 @@ def run(ctx: BenchContext) -> dict:
 
         model = build_tiny_model(ctx.out_dir / "models" / "tiny")
     else:
-        from launch.demo import prepare_model
+        from pipeline_rl.launch.demo import prepare_model
 
         model = prepare_model()
     wall_s = RUN_S["quick" if ctx.quick else "full"]
@@ -168,7 +168,7 @@ def run(ctx: BenchContext) -> dict:
         )
     sps_ratio = (med("pipeline", "samples_per_s") or 0) / (med("sync", "samples_per_s") or 1)
     intro = (
-        f"The demo task (`launch/demo.py` settings), {runs} run(s) per mode of {wall_s} s each, interleaved; "
+        f"The demo task (`pipeline_rl/launch/demo.py` settings), {runs} run(s) per mode of {wall_s} s each, interleaved; "
         f"seconds until held-out accuracy (greedy, 100 problems, evaluated every {EVAL_EVERY_S} s) first "
         f"reaches each level; the goal is judged at {TARGET:.0%}. Pipelined trains {sps_ratio:.2f}× the samples/s of sync. Idle fractions: "
         "trainer = waiting for data / step time; engine = share of 1 s snapshots with nothing in flight."

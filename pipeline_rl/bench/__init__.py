@@ -1,4 +1,4 @@
-"""Benchmarks of pipeline-rl (issue 6), run with `pipeline-rl bench NAME [--quick]` (bench/run.py).
+"""Benchmarks of pipeline-rl (issue 6), run with `pipeline-rl bench NAME [--quick]` (pipeline_rl/bench/run.py).
 
     common.py        options, statistics, tables, the docs/benchmarks.md section writer
     servers.py       start/stop real servers (our shim, vLLM's OpenAI server); a shared pool

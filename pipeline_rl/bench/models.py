@@ -1,6 +1,6 @@
 """Benchmark models: tiny Qwen2-style models of fixed sizes, built once into artifacts/bench-models/.
 
-    python -m bench.models            # builds (or checks) every size and prints its weight bytes
+    python -m pipeline_rl.bench.models            # builds (or checks) every size and prints its weight bytes
 
 A model is rebuilt only when its directory is missing or was built from a different spec, so repeated
 benchmark runs reuse the same bytes. Sizes are float32 weight bytes; the vocabulary is the character
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.common import ARTIFACTS, MB
+from pipeline_rl.bench.common import ARTIFACTS, MB
 from pipeline_rl.tiny_model import TinyModelSpec
 
 MODEL_DIR = ARTIFACTS / "bench-models"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # Process helpers shared with the benchmarks: one implementation of picking a port, waiting for
 # /health with a deadline, per-server core binding and tree teardown.
-from bench.servers import free_port, own_core, wait_healthy  # noqa: F401 (re-exported)
+from pipeline_rl.bench.servers import free_port, own_core, wait_healthy  # noqa: F401 (re-exported)
 from inference_shim.process_tree import stop_process_tree  # noqa: F401 (re-exported)
 
 

@@ -9,7 +9,7 @@ Load: 32 closed-loop streaming chat requests (64 tokens, ignore_eos) run through
 Windows rotate between the modes: `none` (no updates), `every K s` for each K of --update-every-s
 (default 1 and 3: a push every K seconds, a trainer that takes K s per optimizer step; the demo's trainer
 takes ~2.8 s on this machine) and `back-to-back` (the next push starts when the last one ends, the worst
-case). The goal is judged at the demo's cadence, DEMO_STEP_S; every cadence is reported. Pushes come from a separate process (bench/pusher.py). Between windows a short settle gap
+case). The goal is judged at the demo's cadence, DEMO_STEP_S; every cadence is reported. Pushes come from a separate process (pipeline_rl/bench/pusher.py). Between windows a short settle gap
 is not counted, so the re-prefill after a window's last update never lands in the next window.
 """
 
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import (
+from pipeline_rl.bench.common import (
     BenchContext,
     StealMeter,
     goal_line,
@@ -32,9 +32,9 @@ from bench.common import (
     rotate,
     section,
 )
-from bench.load import ClosedLoop, served_model
-from bench.models import bench_model
-from bench.servers import ServerSpec
+from pipeline_rl.bench.load import ClosedLoop, served_model
+from pipeline_rl.bench.models import bench_model
+from pipeline_rl.bench.servers import ServerSpec
 
 CONCURRENCY = 32
 MAX_TOKENS = 64
@@ -56,7 +56,7 @@ def servers_needed(ctx: BenchContext) -> list[tuple[ServerSpec, int]]:
 
 
 class Pusher:
-    """bench/pusher.py as an asyncio subprocess: send a command, await its JSON answer."""
+    """pipeline_rl/bench/pusher.py as an asyncio subprocess: send a command, await its JSON answer."""
 
     def __init__(self, model: Path, url: str, threads: int | None) -> None:
         self.model, self.url, self.threads = model, url, threads
@@ -64,7 +64,7 @@ class Pusher:
     async def __aenter__(self) -> Pusher:
         threads = ["--threads", str(self.threads)] if self.threads else []
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.pusher", "--model", str(self.model), "--url", self.url, *threads,
+            sys.executable, "-m", "pipeline_rl.bench.pusher", "--model", str(self.model), "--url", self.url, *threads,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         await self._answer()  # {"ready": true}: joined the weight group
@@ -73,7 +73,7 @@ class Pusher:
     async def _answer(self) -> dict:
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout=600)
         if not line:
-            raise RuntimeError(f"bench.pusher exited with {await self.proc.wait()} (see its stderr above)")
+            raise RuntimeError(f"pipeline_rl.bench.pusher exited with {await self.proc.wait()} (see its stderr above)")
         return json.loads(line)
 
     async def run(self, every_s: float, duration_s: float) -> list[dict]:
@@ -223,11 +223,11 @@ def run(ctx: BenchContext) -> dict:
         )
     ]
     intro = (
-        f"Model `{s['model']}` (bench/models.py), {s['concurrency']} concurrent streaming chat requests of "
+        f"Model `{s['model']}` (pipeline_rl/bench/models.py), {s['concurrency']} concurrent streaming chat requests of "
         f"{MAX_TOKENS} tokens (ignore_eos) for the whole run; windows of {s['window_s']:g} s, "
         f"{ctx.repeats} repeats per mode in rotated order, medians. Pushes (256 MiB buckets, "
         f"`kv_after_update={ctx.options.get('kv_after_update') or 'recompute'}`, pusher torch threads: "
-        f"{ctx.trainer_threads()}) come from a separate process (bench/pusher.py). "
+        f"{ctx.trainer_threads()}) come from a separate process (pipeline_rl/bench/pusher.py). "
         "Client requests start spread over 2 s so the batch holds requests of mixed ages. "
         "Tokens/s and inter-token gaps are "
         "measured by the client, per request and per SSE chunk; `pause` is the server's "

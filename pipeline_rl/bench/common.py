@@ -4,7 +4,7 @@ Rules every benchmark follows (docs/benchmarks.md, "Method"): A and B are measur
 each at least `repeats` times, and reported as medians; every figure is also given as a ratio against a
 ceiling measured in that same run, because these VMs are noisy (CPU steal up to ~25%).
 
-Not run directly; `pipeline-rl bench NAME [--quick]` (bench/run.py) builds a BenchContext and calls the
+Not run directly; `pipeline-rl bench NAME [--quick]` (pipeline_rl/bench/run.py) builds a BenchContext and calls the
 benchmark's run(ctx).
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from pipeline_rl.paths import REPO_ROOT
 ARTIFACTS = REPO_ROOT / "artifacts"
 DEFAULT_DOC = REPO_ROOT / "docs" / "benchmarks.md"
 DEFAULT_IMG_DIR = REPO_ROOT / "docs" / "img"
@@ -46,7 +46,7 @@ class BenchContext:
 
     def server(self, kind: str, model: Path):
         """The ServerSpec for `kind` ("shim" or "vllm") on `model`, with this run's server overrides."""
-        from bench.servers import ServerSpec
+        from pipeline_rl.bench.servers import ServerSpec
 
         extra: tuple[str, ...] = ()
         if kind == "shim" and self.options.get("kv_after_update"):
@@ -57,7 +57,7 @@ class BenchContext:
     def trainer_threads(self) -> int:
         """torch threads of the process that plays the trainer.
 
-        Default: what launch/main.py gives the trainer (OMP_NUM_THREADS = its cores = half the machine's,
+        Default: what pipeline_rl/launch/main.py gives the trainer (OMP_NUM_THREADS = its cores = half the machine's,
         at least one), so the benchmarks measure pushes as a launched run makes them.
         """
         return self.options.get("trainer_threads") or max(1, (os.cpu_count() or 2) // 2)

