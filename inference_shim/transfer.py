@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import time
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +47,17 @@ class WeightGroup:
 def connect_store(
     host: str, port: int, *, is_master: bool, world_size: int | None, timeout_s: float
 ) -> dist.TCPStore:
-    """TCPStore server (trainer: port 0 picks a free port) or client (servers), with a deadline."""
+    """TCPStore server (trainer: port 0 picks a free port) or client (servers), with a deadline.
+
+    The server listens on `host` only: torch's own TCPStore server binds every interface (`*:port`), which
+    would expose the weight plane's keys to anyone who can reach the machine. We bind the listening socket
+    ourselves and hand its descriptor to the store (`master_listen_fd`, libuv backend), which then owns it.
+    """
+    listen_fd = None
+    if is_master:
+        listener = socket.create_server((host, port), backlog=512)
+        port = listener.getsockname()[1]
+        listen_fd = listener.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(
         host,
         port,
@@ -55,6 +65,7 @@ def connect_store(
         is_master,
         timeout=dt.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
         use_libuv=True,
     )
 
@@ -179,11 +190,3 @@ def receive_buckets(
 
 def tensor_meta(name: str, tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape))
-
-
-class Stopwatch:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start

@@ -7,15 +7,28 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# How the per-token terms of an optimizer step are summed into one loss (docs/objectives.md, Normalization):
+#   "sequences"     PipelineRL: sum over all tokens / number of sequences (every token weighs the same)
+#   "sequence_mean" original GRPO: mean over each sequence's tokens, then mean over sequences
+#   "tokens"        DAPO: sum over all tokens / number of tokens
+Normalize = Literal["sequences", "sequence_mean", "tokens"]
 
 # Algorithm defaults applied when a field is left at None: the published values of each method.
 DEFAULT_IS_CAP = 5.0
 DEFAULT_CLIP_EPS = {"ppo": (0.2, None), "dapo": (0.2, 0.28)}  # None: high = low (symmetric clip)
-DEFAULT_NORMALIZE: dict[str, Literal["sequence", "token"]] = {
-    "grpo": "sequence",
-    "ppo": "sequence",
-    "dapo": "token",
+DEFAULT_NORMALIZE: dict[str, Normalize] = {"grpo": "sequences", "ppo": "sequences", "dapo": "tokens"}
+
+# Names used before the three normalizations were named apart. They are rejected, not mapped: "sequence"
+# meant the per-sequence mean, which is easy to mistake for PipelineRL's "sequences".
+RENAMED_NORMALIZE = {
+    "sequence": (
+        'algo.normalize="sequence" was renamed. Use "sequence_mean" for its behaviour (mean over each '
+        "sequence's tokens, then over sequences), or \"sequences\" for PipelineRL's token sum / number "
+        "of sequences (the grpo/ppo default)."
+    ),
+    "token": 'algo.normalize="token" was renamed to "tokens" (token sum / number of tokens, as before).',
 }
 
 
@@ -38,9 +51,18 @@ class AlgoConfig(BaseModel):
     )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to reference logprobs; 0 = off.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus; 0 = off.")
-    normalize: Literal["sequence", "token"] | None = Field(
-        None, description="Loss normalization; None means sequence for grpo/ppo, token for dapo."
+    normalize: Normalize | None = Field(
+        None,
+        description="Loss normalization: sequences | sequence_mean | tokens; None means sequences for "
+        "grpo/ppo, tokens for dapo.",
     )
+
+    @field_validator("normalize", mode="before")
+    @classmethod
+    def _reject_old_normalize_names(cls, value: object) -> object:
+        if isinstance(value, str) and value in RENAMED_NORMALIZE:
+            raise ValueError(RENAMED_NORMALIZE[value])
+        return value
 
     @model_validator(mode="after")
     def _resolve_defaults(self) -> AlgoConfig:

@@ -2,29 +2,35 @@
 KL-to-reference (k3) and entropy terms. docs/objectives.md has the formulas in prose.
 
 Everything here is a pure function of per-token tensors, so the objectives are tested on hand-worked
-numbers (tests/test_losses.py) and the trainer only has to line tensors up:
+numbers (tests/unit/test_losses.py) and the trainer only has to line tensors up:
 
     logits = model(input_ids).logits[:, :-1]                  # position t predicts token t+1
     new_lp = token_logprobs(logits, input_ids[:, 1:])
     loss, metrics = rl_loss(new_lp, old_lp[:, 1:], adv[:, 1:], mask[:, 1:], cfg,
                             seq_ids=seq_ids[:, 1:], num_sequences=..., num_tokens=...)
 
-Normalization and gradient accumulation: the loss of one micro-batch is its share of the loss of the whole
+Normalization (cfg.normalize) of the per-token terms ℓ_t of an optimizer step with N sequences and N_tok
+trained tokens; L_s is the trained tokens of sequence s:
+
+    "sequences"      Σ_t ℓ_t / N                      PipelineRL's; default for grpo and ppo
+    "sequence_mean"  (1/N) Σ_s (1/L_s) Σ_{t∈s} ℓ_t    the original GRPO's per-sequence mean
+    "tokens"         Σ_t ℓ_t / N_tok                  DAPO's; default for dapo
+
+Gradient accumulation: the loss of one micro-batch is its share of the loss of the whole
 optimizer step. Pass `num_sequences` / `num_tokens` counted over EVERY micro-batch of the step (use
 `trained_counts` on each and sum) and the accumulated gradient equals the gradient of one big batch.
 Under DDP, which averages gradients over W ranks, multiply each rank's loss by W (the counts are the
-counts of all ranks together). A sequence must never be split across micro-batches: its per-sequence
-token count is local.
+counts of all ranks together). A sequence must never be split across micro-batches: "sequence_mean"
+reads L_s from the micro-batch, and summed `trained_counts` would count the sequence twice.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-from pipeline_rl.algo_config import AlgoConfig  # noqa: E402  (re-exported: the config is torch-free)
+from pipeline_rl.algo_config import AlgoConfig, Normalize  # AlgoConfig re-exported: it is torch-free
 
 __all__ = ["AlgoConfig", "rl_loss", "token_logprobs", "token_entropy", "trained_counts"]
 
@@ -76,15 +82,18 @@ def trained_counts(mask: torch.Tensor, seq_ids: torch.Tensor | None = None) -> t
 
 def _normalization_weights(
     mask: torch.Tensor,
-    normalize: Literal["sequence", "token"],
+    normalize: Normalize,
     seq_ids: torch.Tensor | None,
     num_sequences: int | None,
     num_tokens: int | None,
 ) -> torch.Tensor:
-    """Per-token weight w_t such that loss = sum_t w_t * term_t (0 on untrained tokens)."""
+    """Per-token weight w_t such that loss = sum_t w_t * term_t (0 on untrained tokens).
+
+    "sequences": 1/N_seq, "sequence_mean": 1/(L_s N_seq), "tokens": 1/N_tok (docs/objectives.md).
+    """
     local_sequences, local_tokens = trained_counts(mask, seq_ids)
     maskf = mask.float()
-    if normalize == "token":
+    if normalize == "tokens":
         denom = local_tokens if num_tokens is None else num_tokens
         if denom < local_tokens:
             raise ValueError(
@@ -98,6 +107,10 @@ def _normalization_weights(
             f"num_sequences={num_sequences} is smaller than the {local_sequences} trained sequences of "
             "this micro-batch; it must count the trained sequences of the whole optimizer step"
         )
+    if normalize == "sequences":
+        return maskf / max(denom, 1)
+    if normalize != "sequence_mean":
+        raise ValueError(f"unknown normalization {normalize!r}; use sequences, sequence_mean or tokens")
     seq = _sequence_index(mask, seq_ids).reshape(-1)
     lengths = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, device=mask.device)
     lengths.index_add_(0, seq, maskf.reshape(-1))
@@ -123,8 +136,9 @@ def rl_loss(
     All tensors are per token with one shape ([T] packed, or [B, T]); only `new_logprobs` and `entropy`
     carry gradients. `mask` is 1 on trained tokens; values elsewhere may be anything (even inf).
     `seq_ids` gives each token's sequence in a packed batch (any integers, equal within a sequence);
-    without it each row is one sequence. `num_sequences` / `num_tokens` are the counts of the whole
-    optimizer step for "sequence" / "token" normalization; None means this micro-batch's own counts.
+    without it each row is one sequence. `num_sequences` (denominator of "sequences" and
+    "sequence_mean") and `num_tokens` (denominator of "tokens") are the counts of the whole optimizer
+    step; None means this micro-batch's own counts.
 
     Metrics are means over this micro-batch's trained tokens (0 when it has none); `num_tokens` and
     `num_sequences` in the dict are the local counts, for weighting when averaging over micro-batches.

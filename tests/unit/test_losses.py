@@ -1,6 +1,6 @@
 """RL objectives on tensors small enough to work out by hand (the arithmetic is in the comments).
 
-Run: .venv/bin/python -m pytest -q tests/test_losses.py
+Run: .venv/bin/python -m pytest -q tests/unit/test_losses.py
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ def _leaf(values: list[float] | list[list[float]]) -> torch.Tensor:
 
 def test_algo_defaults_per_algorithm():
     grpo = AlgoConfig()
-    assert (grpo.name, grpo.is_cap, grpo.normalize) == ("grpo", 5.0, "sequence")
+    assert (grpo.name, grpo.is_cap, grpo.normalize) == ("grpo", 5.0, "sequences")
     assert grpo.clip_eps_low is None and grpo.clip_eps_high is None
     ppo = AlgoConfig(name="ppo", clip_eps_low=0.1)
-    assert (ppo.clip_eps_low, ppo.clip_eps_high, ppo.normalize, ppo.is_cap) == (0.1, 0.1, "sequence", None)
+    assert (ppo.clip_eps_low, ppo.clip_eps_high, ppo.normalize, ppo.is_cap) == (0.1, 0.1, "sequences", None)
     dapo = AlgoConfig(name="dapo")
-    assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.normalize) == (0.2, 0.28, "token")
+    assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.normalize) == (0.2, 0.28, "tokens")
     # A resolved config round-trips through its dump (what the launcher writes into the run directory).
     assert AlgoConfig.model_validate(dapo.model_dump()) == dapo
 
@@ -54,6 +54,10 @@ def test_algo_defaults_per_algorithm():
         ({"kl_coef": -0.1}, "greater than or equal"),
         ({"name": "reinforce"}, "grpo"),
         ({"is_capp": 5.0}, "extra"),
+        # Names from before the three normalizations were told apart: rejected with the new names.
+        ({"normalize": "sequence"}, '"sequence_mean" for its behaviour'),
+        ({"normalize": "token"}, 'renamed to "tokens"'),
+        ({"normalize": "mean"}, "'sequences', 'sequence_mean' or 'tokens'"),
     ],
 )
 def test_algo_config_rejects_bad_combinations_with_a_fix(kwargs, hint):
@@ -84,11 +88,11 @@ def test_grpo_value_gradient_and_truncation():
     loss, metrics = rl_loss(new, old, adv, mask, AlgoConfig(), seq_ids=seq)
     # per-token -w*A*new: t0 -1*1*-1 = 1, t1 -2*1*-2 = 4, t2 -5*1*-0.5 = 2.5 (weight capped 10 -> 5),
     #                     t3 -1*-1*-1 = -1, t4 -0.5*-1*-3 = -1.5
-    # seq means: (1+4+2.5)/3 = 2.5 and (-1-1.5)/2 = -1.25; loss = (2.5 - 1.25)/2 = 0.625
-    assert loss.item() == pytest.approx(0.625)
+    # default "sequences": token sum (1+4+2.5-1-1.5) = 5 over 2 sequences = 2.5
+    assert loss.item() == pytest.approx(2.5)
     loss.backward()
-    # d/dnew_t = -w_t*A_t / (len_s * num_seqs): -1/6, -2/6, -5/6, +1/4, +0.5/4 (weight is a constant)
-    expected = torch.tensor([-1 / 6, -2 / 6, -5 / 6, 0.25, 0.125])
+    # d/dnew_t = -w_t*A_t / num_seqs: -1/2, -2/2, -5/2, +1/2, +0.5/2 (weight is a constant)
+    expected = torch.tensor([-0.5, -1.0, -2.5, 0.5, 0.25])
     torch.testing.assert_close(new.grad, expected)
     assert metrics["truncated_frac"] == pytest.approx(1 / 5)
     assert metrics["clip_frac"] == 0.0
@@ -102,8 +106,8 @@ def test_grpo_value_gradient_and_truncation():
 def test_grpo_raising_the_cap_removes_truncation():
     new, old, adv, mask, seq = _grpo_inputs()
     loss, metrics = rl_loss(new, old, adv, mask, AlgoConfig(is_cap=20.0), seq_ids=seq)
-    # token 2 now keeps weight 10: -10*1*-0.5 = 5; seq0 mean (1+4+5)/3 = 10/3; loss = (10/3 - 1.25)/2
-    assert loss.item() == pytest.approx((10 / 3 - 1.25) / 2)
+    # token 2 now keeps weight 10: -10*1*-0.5 = 5; loss = (1+4+5-1-1.5)/2
+    assert loss.item() == pytest.approx(7.5 / 2)
     assert metrics["truncated_frac"] == 0.0
 
 
@@ -114,18 +118,18 @@ def test_grpo_padded_2d_batch_equals_packed_and_ignores_garbage():
     adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, float("nan")]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     loss, _ = rl_loss(new, old, adv, mask, AlgoConfig())  # no seq_ids: one row = one sequence
-    assert loss.item() == pytest.approx(0.625)
+    assert loss.item() == pytest.approx(2.5)
     loss.backward()
     assert torch.isfinite(new.grad).all()
     assert new.grad[1, 2].item() == 0.0
-    assert new.grad[1, 1].item() == pytest.approx(0.125)
+    assert new.grad[1, 1].item() == pytest.approx(0.25)
 
 
 def test_global_num_sequences_scales_the_micro_batch_loss():
     new, old, adv, mask, seq = _grpo_inputs()
     loss, _ = rl_loss(new, old, adv, mask, AlgoConfig(), seq_ids=seq, num_sequences=4)
-    # same sequence means, divided by 4 sequences of the whole step: (2.5 - 1.25)/4
-    assert loss.item() == pytest.approx(0.3125)
+    # same token sum 5, divided by the 4 sequences of the whole step
+    assert loss.item() == pytest.approx(1.25)
     with pytest.raises(ValueError, match="num_sequences=1"):
         rl_loss(new, old, adv, mask, AlgoConfig(), seq_ids=seq, num_sequences=1)
 
@@ -134,7 +138,7 @@ def test_global_num_sequences_scales_the_micro_batch_loss():
 
 
 def _one_token_rows(ratios: list[float], advs: list[float]):
-    """Each row is one single-token sequence, so sequence normalization is a plain mean over rows."""
+    """Each row is one single-token sequence, so all three normalizations are a plain mean over rows."""
     new = _leaf([[0.0] for _ in ratios])
     old = torch.tensor([[-math.log(r)] for r in ratios])
     return new, old, torch.tensor([[a] for a in advs]), torch.ones(len(ratios), 1)
@@ -169,7 +173,7 @@ def _dapo_inputs():
     return new, old, torch.tensor(DAPO_ADV), torch.ones(4), torch.tensor([0, 0, 0, 1])
 
 
-def test_dapo_clip_higher_and_token_normalization():
+def test_dapo_clip_higher_and_tokens_normalization():
     # trust region [0.8, 1.28]:
     #   t0: r=1.25 inside             -> -1.25, d/dnew = -1.25
     #   t1: r=1.3 > 1.28, A>0         -> -1.28, clipped
@@ -186,7 +190,7 @@ def test_dapo_clip_higher_and_token_normalization():
 
 def test_dapo_differs_from_ppo_only_where_clip_higher_matters():
     new, old, adv, mask, seq = _dapo_inputs()
-    loss, _ = rl_loss(new, old, adv, mask, AlgoConfig(name="ppo", normalize="token"), seq_ids=seq)
+    loss, _ = rl_loss(new, old, adv, mask, AlgoConfig(name="ppo", normalize="tokens"), seq_ids=seq)
     loss.backward()
     # Symmetric eps 0.2: t0 (r=1.25 > 1.2, A>0) is now clipped as well -> its gradient vanishes and its
     # value is -1.2: (-1.2 - 1.2 + 0.8 + 1.0)/4 = -0.15 (t1 is clipped at 1.2 too).
@@ -194,13 +198,76 @@ def test_dapo_differs_from_ppo_only_where_clip_higher_matters():
     torch.testing.assert_close(new.grad, torch.tensor([0.0, 0.0, 0.0, 0.25]))
 
 
-def test_sequence_and_token_normalization_differ_on_unequal_lengths():
+def test_dapo_with_other_normalizations():
     new, old, adv, mask, seq = _dapo_inputs()
-    loss, _ = rl_loss(new, old, adv, mask, AlgoConfig(name="dapo", normalize="sequence"), seq_ids=seq)
-    # seq0 mean (-1.25 - 1.28 + 0.8)/3 = -0.576667; seq1 = 1.0; mean over 2 sequences = 0.211667
-    assert loss.item() == pytest.approx(((-1.25 - 1.28 + 0.8) / 3 + 1.0) / 2)
+    # token terms (-1.25, -1.28, 0.8 | 1.0): seq0 sum -1.73, mean -0.576667; seq1 1.0
+    loss, _ = rl_loss(new, old, adv, mask, AlgoConfig(name="dapo", normalize="sequences"), seq_ids=seq)
+    assert loss.item() == pytest.approx((-1.73 + 1.0) / 2)
+    loss, _ = rl_loss(new, old, adv, mask, AlgoConfig(name="dapo", normalize="sequence_mean"), seq_ids=seq)
+    assert loss.item() == pytest.approx((-1.73 / 3 + 1.0) / 2)
     loss_tok, _ = rl_loss(new, old, adv, mask, AlgoConfig(name="dapo"), seq_ids=seq, num_tokens=8)
     assert loss_tok.item() == pytest.approx(-0.73 / 8)  # token-sum over the global 8 tokens
+
+
+# ---------------------------------------------------------------- the three normalizations by hand
+
+# Three packed sequences of different lengths, on-policy (old = new, so the grpo weight is 1 and the
+# per-token term is l_t = -A_t * new_t, with gradient -A_t):
+#   seq 0: 3 trained tokens, A = +1,   new = -1, -2, -3  ->  l = 1, 2, 3   (sum 6, mean 2)
+#   seq 1: 1 trained token,  A = -2,   new = -0.5        ->  l = -1        (sum -1, mean -1)
+#   seq 2: a prompt token (mask 0, garbage values) then 2 trained tokens, A = +0.5, new = -2, -4
+#                                                        ->  l = 1, 2      (sum 3, mean 1.5)
+# N = 3 sequences, N_tok = 6 trained tokens.
+NORM_NEW = [-1.0, -2.0, -3.0, -0.5, float("-inf"), -2.0, -4.0]
+NORM_ADV = [1.0, 1.0, 1.0, -2.0, float("nan"), 0.5, 0.5]
+NORM_MASK = [1, 1, 1, 1, 0, 1, 1]
+NORM_SEQ = [0, 0, 0, 1, 2, 2, 2]
+NORM_EXPECTED = {
+    # sum of all tokens / N: (6 - 1 + 3)/3; every token's gradient is -A_t/N whatever its sequence's length
+    "sequences": (8 / 3, [-1 / 3, -1 / 3, -1 / 3, 2 / 3, 0.0, -1 / 6, -1 / 6]),
+    # mean of the sequence means: (2 - 1 + 1.5)/3; gradient -A_t/(L_s N): a long answer's tokens weigh less
+    "sequence_mean": (2.5 / 3, [-1 / 9, -1 / 9, -1 / 9, 2 / 3, 0.0, -1 / 12, -1 / 12]),
+    # sum of all tokens / N_tok: 8/6; gradient -A_t/N_tok
+    "tokens": (8 / 6, [-1 / 6, -1 / 6, -1 / 6, 1 / 3, 0.0, -1 / 12, -1 / 12]),
+}
+
+
+def _norm_loss(normalize: str, tokens: slice, **counts):
+    new = _leaf(NORM_NEW[tokens])
+    loss, _ = rl_loss(
+        new,
+        new.detach(),
+        torch.tensor(NORM_ADV[tokens]),
+        torch.tensor(NORM_MASK[tokens]),
+        AlgoConfig(normalize=normalize),
+        seq_ids=torch.tensor(NORM_SEQ[tokens]),
+        **counts,
+    )
+    loss.backward()
+    return loss.item(), new.grad
+
+
+@pytest.mark.parametrize("normalize", list(NORM_EXPECTED))
+def test_each_normalization_by_hand(normalize):
+    expected_loss, expected_grad = NORM_EXPECTED[normalize]
+    loss, grad = _norm_loss(normalize, slice(None))
+    assert loss == pytest.approx(expected_loss)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad))
+
+
+@pytest.mark.parametrize("normalize", list(NORM_EXPECTED))
+def test_each_normalization_accumulates_exactly_over_micro_batches(normalize):
+    # The same three sequences as two micro-batches, [seq 0] and [seq 1, seq 2], each given the counts
+    # of the whole step: the losses add up to the one-batch loss and the gradients line up token by token.
+    expected_loss, expected_grad = NORM_EXPECTED[normalize]
+    counts = {"num_sequences": 3, "num_tokens": 6}
+    loss_a, grad_a = _norm_loss(normalize, slice(0, 3), **counts)
+    loss_b, grad_b = _norm_loss(normalize, slice(3, None), **counts)
+    assert loss_a + loss_b == pytest.approx(expected_loss)
+    torch.testing.assert_close(torch.cat([grad_a, grad_b]), torch.tensor(expected_grad))
+    # Each micro-batch normalizing by its own counts gives another loss (here: seq 0 alone over N = 1).
+    alone, _ = _norm_loss(normalize, slice(0, 3))
+    assert alone != pytest.approx(loss_a)
 
 
 # ---------------------------------------------------------------- KL and entropy
@@ -213,11 +280,11 @@ def test_k3_kl_value_and_gradient():
     ref = torch.tensor([-1.0 + LN2, -1.0 - LN2])
     cfg = AlgoConfig(kl_coef=0.1)
     loss, metrics = rl_loss(new, new.detach(), torch.zeros(2), torch.ones(2), cfg, ref_logprobs=ref)
-    assert loss.item() == pytest.approx(0.1 * 0.5 / 2)  # one sequence of 2 tokens: 0.1 * mean k3
+    assert loss.item() == pytest.approx(0.1 * 0.5)  # one sequence: 0.1 * sum of k3 / 1 sequence
     assert metrics["kl"] == pytest.approx(0.25)
     loss.backward()
-    # d k3 / d new = 1 - e^d = [-1, 0.5], times 0.1 / 2
-    torch.testing.assert_close(new.grad, torch.tensor([-0.05, 0.025]))
+    # d k3 / d new = 1 - e^d = [-1, 0.5], times 0.1
+    torch.testing.assert_close(new.grad, torch.tensor([-0.1, 0.05]))
 
 
 def test_kl_needs_reference_logprobs():
@@ -233,11 +300,11 @@ def test_entropy_bonus_is_subtracted():
     new = _leaf([-1.0, -1.0])
     cfg = AlgoConfig(entropy_coef=0.01)
     loss, metrics = rl_loss(new, new.detach(), torch.zeros(2), torch.ones(2), cfg, entropy=ent)
-    # -0.01 * mean entropy = -0.01 * 2 = -0.02; d/dH = -0.01/2 per token
-    assert loss.item() == pytest.approx(-0.02)
+    # one sequence: -0.01 * (1 + 3) / 1 = -0.04; d/dH = -0.01 per token
+    assert loss.item() == pytest.approx(-0.04)
     assert metrics["entropy"] == pytest.approx(2.0)
     loss.backward()
-    torch.testing.assert_close(ent.grad, torch.tensor([-0.005, -0.005]))
+    torch.testing.assert_close(ent.grad, torch.tensor([-0.01, -0.01]))
 
 
 # ---------------------------------------------------------------- edge cases
@@ -315,7 +382,10 @@ def _pack(data: list[Sequence], seqs: list[int]):
     return *cols, seq_ids
 
 
-def _accumulated_grads(cfg: AlgoConfig, micro_batches: list[list[int]], global_counts: bool) -> torch.Tensor:
+def _accumulated(
+    cfg: AlgoConfig, micro_batches: list[list[int]], global_counts: bool
+) -> tuple[float, torch.Tensor]:
+    """(sum of the micro-batch losses, accumulated gradient of a linear model) over one step."""
     torch.manual_seed(1)
     model = torch.nn.Linear(4, 6)
     data = _toy_data()
@@ -324,27 +394,38 @@ def _accumulated_grads(cfg: AlgoConfig, micro_batches: list[list[int]], global_c
     if global_counts:  # what the trainer does: sum trained_counts over every micro-batch of the step
         per_mb = [trained_counts(p[4], p[5]) for p in packed]
         counts = {"num_sequences": sum(c[0] for c in per_mb), "num_tokens": sum(c[1] for c in per_mb)}
+    total = 0.0
     for x, labels, old, adv, mask, seq_ids in packed:
         logits = model(x)
         new = token_logprobs(logits, labels)
         ent = token_entropy(logits)
         loss, _ = rl_loss(new, old, adv, mask, cfg, seq_ids=seq_ids, entropy=ent, **counts)
         loss.backward()
-    return torch.cat([model.weight.grad.flatten(), model.bias.grad])
+        total += loss.item()
+    return total, torch.cat([model.weight.grad.flatten(), model.bias.grad])
 
 
 @pytest.mark.parametrize(
     "cfg",
-    [AlgoConfig(), AlgoConfig(name="ppo", entropy_coef=0.01), AlgoConfig(name="dapo", entropy_coef=0.01)],
-    ids=["grpo", "ppo", "dapo"],
+    [
+        AlgoConfig(),
+        AlgoConfig(normalize="sequence_mean"),
+        AlgoConfig(normalize="tokens"),
+        AlgoConfig(name="ppo", entropy_coef=0.01),
+        AlgoConfig(name="dapo", entropy_coef=0.01),
+        AlgoConfig(name="dapo", entropy_coef=0.01, normalize="sequence_mean"),
+    ],
+    ids=["grpo", "grpo-sequence_mean", "grpo-tokens", "ppo", "dapo", "dapo-sequence_mean"],
 )
-def test_gradient_accumulation_with_global_counts_equals_one_big_batch(cfg):
-    one_batch = _accumulated_grads(cfg, [[0, 1, 2, 3]], global_counts=False)
-    accumulated = _accumulated_grads(cfg, [[0], [1, 2, 3]], global_counts=True)
+@pytest.mark.parametrize("split", [[[0], [1, 2, 3]], [[3, 0], [2], [1]]], ids=["1+3", "2+1+1"])
+def test_gradient_accumulation_with_global_counts_equals_one_big_batch(cfg, split):
+    one_loss, one_batch = _accumulated(cfg, [[0, 1, 2, 3]], global_counts=False)
+    acc_loss, accumulated = _accumulated(cfg, split, global_counts=True)
     assert one_batch.abs().max() > 1e-3  # the comparison below is not between two zero vectors
+    assert acc_loss == pytest.approx(one_loss, rel=1e-5)
     torch.testing.assert_close(accumulated, one_batch)
     # Without the step's counts each micro-batch normalizes by itself and the sum is a different gradient.
-    local = _accumulated_grads(cfg, [[0], [1, 2, 3]], global_counts=False)
+    _, local = _accumulated(cfg, split, global_counts=False)
     assert not torch.allclose(local, one_batch, atol=1e-5)
 
 
@@ -413,6 +494,6 @@ def test_packed_micro_batch_from_preprocess_matches_separate_sequences():
     together = loss_of([a, b])
     assert together == pytest.approx(loss_of([a], num_sequences=2) + loss_of([b], num_sequences=2))
     # by hand: A = +0.5 / -0.5; weight exp(new - old): a tokens exp(0.3), exp(-0.4), exp(0.1); b exp(-1)
-    a_mean = -0.5 * (math.exp(0.3) * -0.2 + math.exp(-0.4) * -0.9 + math.exp(0.1) * -0.4) / 3
-    b_mean = 0.5 * math.exp(-1.0) * -1.5
-    assert together == pytest.approx((a_mean + b_mean) / 2)
+    a_sum = -0.5 * (math.exp(0.3) * -0.2 + math.exp(-0.4) * -0.9 + math.exp(0.1) * -0.4)
+    b_sum = 0.5 * math.exp(-1.0) * -1.5
+    assert together == pytest.approx((a_sum + b_sum) / 2)  # token sum over the 2 sequences
