@@ -6,6 +6,7 @@ shards through the `fetch` callback). Ordering contract:
     sender = WeightSender(urls, token=..., backend="gloo")   # nothing happens yet
     sender.connect()        # hosts the TCPStore, asks each server to join, joins as rank 0
     sender.push(version, metas, fetch)   # after EVERY optimizer step; version strictly increasing
+    sender.reconnect()      # only after a failed push: every server leaves the broken group, a new one forms
     sender.close()
 
 push(): 1) POST /request_weight_update to every server in parallel (they validate before any
@@ -192,6 +193,42 @@ class WeightSender:
                 log.warning("destroy_process_group on %s failed: %s", client.base_url, e)
             client.close()
         self._pool.shutdown(wait=False)
+        self._drop_group()
+
+    def reconnect(self) -> None:
+        """Leave the weight group on every server and form a new one, e.g. after a failed push.
+
+        A broadcast that failed (a partition, a timeout) leaves the group unusable on every rank, while
+        the servers keep serving their old weights and stay joined to it. This asks each server to
+        leave it (waiting, up to timeout_s, for one still finishing the failed update: 409
+        update_in_progress), drops this side, and runs connect() again. Raises WeightPushError naming
+        the servers that could not leave.
+        """
+        deadline = time.monotonic() + self.timeout_s
+
+        def leave(client: ShimClient) -> None:
+            while True:
+                try:
+                    client.destroy_process_group()
+                    return
+                except ShimError as e:
+                    if e.error == "no_process_group":
+                        return
+                    if e.error != "update_in_progress" or time.monotonic() > deadline:
+                        raise
+                time.sleep(0.5)
+
+        answers = list(self._pool.map(lambda c: _try(lambda: leave(c)), self.clients))
+        failed = [f"{url}: {err}" for url, (_, err) in zip(self.server_urls, answers, strict=True) if err]
+        if failed:
+            raise WeightPushError(
+                "servers could not leave the old weight group: " + "; ".join(failed),
+                [f.split(": ")[0] for f in failed],
+            )
+        self._drop_group()
+        self.connect()
+
+    def _drop_group(self) -> None:
         if self.group is not None and self.wire == "c10d":
             # c10d groups are registered by name in torch.distributed: free the name for a later connect().
             try:
