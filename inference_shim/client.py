@@ -4,21 +4,30 @@
     client.health(); client.request_weight_update(WeightUpdateRequest(...))
 
 `ShimClient` (sync, httpx) serves the trainer and tools; `AsyncShimClient` serves the actor's event loop.
-Both speak only the wire models of inference_shim.protocol.
+Both speak only the wire models of inference_shim.protocol: generation calls return the typed responses
+(a body that breaks the contract raises pydantic's ValidationError, a ValueError), and
+`AsyncShimClient.chat_stream` yields typed chunks. The generation calls also work against any
+OpenAI-compatible server (the extensions are then None).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from inference_shim.protocol import (
     Capabilities,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
     DebugState,
     HealthResponse,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
+    StreamError,
     WeightUpdateAccepted,
     WeightUpdateRequest,
 )
@@ -89,11 +98,15 @@ class ShimClient:
     def destroy_process_group(self) -> None:
         self._post("/destroy_process_group", None)
 
-    def chat(self, messages: list[dict], **params: Any) -> dict:
-        return self._post("/v1/chat/completions", {"messages": messages, **params})
+    def chat(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
+        """POST /v1/chat/completions (not streamed); `params` are ChatCompletionRequest fields."""
+        body = {"messages": messages, **params}
+        return ChatCompletionResponse.model_validate(self._post("/v1/chat/completions", body))
 
-    def completion(self, prompt: str | list[int], **params: Any) -> dict:
-        return self._post("/v1/completions", {"prompt": prompt, **params})
+    def completion(self, prompt: str | list[int], **params: Any) -> CompletionResponse:
+        """POST /v1/completions (not streamed); `params` are CompletionRequest fields."""
+        body = {"prompt": prompt, **params}
+        return CompletionResponse.model_validate(self._post("/v1/completions", body))
 
 
 class AsyncShimClient:
@@ -118,10 +131,39 @@ class AsyncShimClient:
     async def debug_state(self) -> DebugState:
         return DebugState.model_validate(_raise_for(await self._http.get("/debug/state", timeout=5.0)))
 
-    async def chat(self, messages: list[dict], **params: Any) -> dict:
-        return _raise_for(
-            await self._http.post("/v1/chat/completions", json={"messages": messages, **params})
+    async def models(self) -> list[str]:
+        """Ids of the served models (GET /v1/models)."""
+        return [m["id"] for m in _raise_for(await self._http.get("/v1/models", timeout=30.0))["data"]]
+
+    async def chat(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
+        """POST /v1/chat/completions (not streamed); `params` are ChatCompletionRequest fields."""
+        body = {"messages": messages, **params}
+        return ChatCompletionResponse.model_validate(
+            _raise_for(await self._http.post("/v1/chat/completions", json=body))
         )
 
-    async def completion(self, prompt: str | list[int], **params: Any) -> dict:
-        return _raise_for(await self._http.post("/v1/completions", json={"prompt": prompt, **params}))
+    async def completion(self, prompt: str | list[int], **params: Any) -> CompletionResponse:
+        """POST /v1/completions (not streamed); `params` are CompletionRequest fields."""
+        body = {"prompt": prompt, **params}
+        return CompletionResponse.model_validate(
+            _raise_for(await self._http.post("/v1/completions", json=body))
+        )
+
+    async def chat_stream(self, messages: list[dict], **params: Any) -> AsyncIterator[ChatCompletionChunk]:
+        """POST /v1/chat/completions with stream=true: one chunk per SSE event, as it arrives.
+
+        A failure after the 200 status line (the server's in-band `{"error": ...}`) raises ShimError with
+        status 500: the server failed mid-request, which another server may not."""
+        body = {"messages": messages, **params, "stream": True}
+        async with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for(response)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    err = StreamError.model_validate(event["error"])
+                    raise ShimError(str(response.url), 500, err.type, err.message)
+                yield ChatCompletionChunk.model_validate(event)

@@ -1,120 +1,148 @@
-"""Turns engine-neutral ChoiceDeltas into OpenAI-compatible JSON (chat and legacy completions).
+"""Turns engine-neutral ChoiceDeltas into the OpenAI-compatible response models of inference_shim.protocol
+(chat and legacy completions, whole and streamed) and their JSON / SSE lines.
 
 Extensions beyond the OpenAI schema (the official client keeps unknown fields, so they are reachable
-as attributes or via `.model_extra`): `prompt_token_ids` on the response, and per choice `token_ids`,
-`weight_versions` (list of {version, start, end} spans over the choice's token indices).
+as attributes or via `.model_extra`): `prompt_token_ids` on the response (in a chat stream: on each
+choice's opening role chunk), and per choice `token_ids`, `weight_versions` (list of {version, start,
+end} spans over the choice's token indices). Whole responses are sent with every field, nulls included
+(as before the models existed); stream chunks leave out null fields, which OpenAI clients read as null.
 """
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
+from collections.abc import Callable
 
 from inference_shim.backends.base import ChoiceDelta
+from inference_shim.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    StreamError,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+TokenText = Callable[[int], str]  # token id -> its text (the backend's detokenizer)
+
+SSE_DONE = "data: [DONE]\n\n"
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def _spans(delta: ChoiceDelta) -> list[dict] | None:
-    return None if delta.version_spans is None else [s.model_dump() for s in delta.version_spans]
+def sse(chunk: ChatCompletionChunk | CompletionChunk) -> str:
+    """One SSE `data:` line."""
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
 
-def _chat_logprobs(delta: ChoiceDelta, token_text) -> dict:
+def sse_error(err: BaseException) -> str:
+    """The in-band error line of a stream whose 200 status line is already sent."""
+    return (
+        f'data: {{"error": {StreamError(message=str(err), type=type(err).__name__).model_dump_json()}}}\n\n'
+    )
+
+
+def _usage(prompt_ids: list[int], choices: list[ChoiceDelta]) -> Usage:
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return Usage(
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=completion_tokens,
+        total_tokens=len(prompt_ids) + completion_tokens,
+    )
+
+
+def _top(token_text: TokenText, token_id: int, logprob: float) -> TopLogprob:
+    text = token_text(token_id)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def _chat_logprobs(delta: ChoiceDelta, token_text: TokenText) -> ChatLogprobs:
     content = []
     for i, (tid, lp) in enumerate(zip(delta.token_ids, delta.logprobs, strict=True)):
         text = delta.token_strings[i] if i < len(delta.token_strings) else token_text(tid)
         top = delta.top_logprobs[i] if i < len(delta.top_logprobs) else {}
         content.append(
-            {
-                "token": text,
-                "logprob": lp,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
-                    for t, v in top.items()
-                ],
-            }
+            TokenLogprob(
+                token=text,
+                logprob=lp,
+                bytes=list(text.encode()),
+                top_logprobs=[_top(token_text, t, v) for t, v in top.items()],
+            )
         )
-    return {"content": content}
+    return ChatLogprobs(content=content)
 
 
 def chat_response(
-    model: str, prompt_ids: list[int], choices: list[ChoiceDelta], want_logprobs: bool, token_text
-) -> dict:
-    out_choices = []
-    for c in sorted(choices, key=lambda c: c.index):
-        out_choices.append(
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-                "logprobs": _chat_logprobs(c, token_text) if want_logprobs else None,
-                "token_ids": c.token_ids,
-                "weight_versions": _spans(c),
-            }
+    model: str,
+    prompt_ids: list[int],
+    choices: list[ChoiceDelta],
+    want_logprobs: bool,
+    token_text: TokenText,
+) -> ChatCompletionResponse:
+    return ChatCompletionResponse(
+        id=new_id("chatcmpl"),
+        model=model,
+        prompt_token_ids=prompt_ids,
+        usage=_usage(prompt_ids, choices),
+        choices=[
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                finish_reason=c.finish_reason,
+                logprobs=_chat_logprobs(c, token_text) if want_logprobs else None,
+                token_ids=c.token_ids,
+                weight_versions=c.version_spans,
+            )
+            for c in sorted(choices, key=lambda c: c.index)
+        ],
+    )
+
+
+def chat_role_chunk(response_id: str, model: str, created: int, index: int, prompt_ids: list[int]) -> str:
+    """The opening chunk of choice `index`: its role, and the prompt's token ids."""
+    choice = ChatChunkChoice(index=index, delta=AssistantMessage(role="assistant", content=""))
+    return sse(
+        ChatCompletionChunk(
+            id=response_id, created=created, model=model, choices=[choice], prompt_token_ids=prompt_ids
         )
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": out_choices,
-        "prompt_token_ids": prompt_ids,
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens,
-        },
-    }
+    )
 
 
 def chat_chunk(
-    response_id: str,
-    model: str,
-    created: int,
-    delta: ChoiceDelta | None,
-    want_logprobs: bool,
-    token_text,
-    *,
-    role: bool = False,
-    index: int = 0,
+    response_id: str, model: str, created: int, delta: ChoiceDelta, want_logprobs: bool, token_text: TokenText
 ) -> str:
-    """One SSE `data:` line. role=True emits the opening chunk of a choice (role only)."""
-    if role:
-        choice = {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "finish_reason": None,
-            "logprobs": None,
-        }
-    else:
-        assert delta is not None
-        choice = {
-            "index": delta.index,
-            "delta": {"content": delta.text} if delta.text or delta.finish_reason is None else {},
-            "finish_reason": delta.finish_reason,
-            "logprobs": _chat_logprobs(delta, token_text) if want_logprobs and delta.token_ids else None,
-            "token_ids": delta.token_ids,
-        }
-        if delta.version_spans is not None:
-            choice["weight_versions"] = _spans(delta)
-    chunk = {
-        "id": response_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    return f"data: {json.dumps(chunk)}\n\n"
+    choice = ChatChunkChoice(
+        index=delta.index,
+        # The final piece of a choice may carry no text: an empty delta then, as OpenAI sends.
+        delta=AssistantMessage(
+            role=None, content=delta.text if delta.text or delta.finish_reason is None else None
+        ),
+        finish_reason=delta.finish_reason,
+        logprobs=_chat_logprobs(delta, token_text) if want_logprobs and delta.token_ids else None,
+        token_ids=delta.token_ids,
+        weight_versions=delta.version_spans,
+    )
+    return sse(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice]))
 
 
 def completion_response(
-    model: str, prompt_ids: list[int], choices: list[ChoiceDelta], top_logprobs: int | None, token_text
-) -> dict:
+    model: str,
+    prompt_ids: list[int],
+    choices: list[ChoiceDelta],
+    top_logprobs: int | None,
+    token_text: TokenText,
+) -> CompletionResponse:
     out_choices = []
     for c in sorted(choices, key=lambda c: c.index):
         logprobs = None
@@ -124,56 +152,40 @@ def completion_response(
             for t in tokens:
                 offsets.append(pos)
                 pos += len(t)
-            logprobs = {
-                "tokens": tokens,
-                "token_logprobs": c.logprobs,
-                "top_logprobs": [{token_text(t): v for t, v in top.items()} for top in c.top_logprobs]
+            logprobs = CompletionLogprobs(
+                tokens=tokens,
+                token_logprobs=c.logprobs,
+                top_logprobs=[{token_text(t): v for t, v in top.items()} for top in c.top_logprobs]
                 if top_logprobs
                 else None,
-                "text_offset": offsets,
-            }
+                text_offset=offsets,
+            )
         out_choices.append(
-            {
-                "index": c.index,
-                "text": c.text,
-                "finish_reason": c.finish_reason,
-                "logprobs": logprobs,
-                "token_ids": c.token_ids,
-                "weight_versions": _spans(c),
-            }
+            CompletionChoice(
+                index=c.index,
+                text=c.text,
+                finish_reason=c.finish_reason,
+                logprobs=logprobs,
+                token_ids=c.token_ids,
+                weight_versions=c.version_spans,
+            )
         )
-    completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {
-        "id": new_id("cmpl"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": out_choices,
-        "prompt_token_ids": prompt_ids,
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens,
-        },
-    }
+    return CompletionResponse(
+        id=new_id("cmpl"),
+        model=model,
+        choices=out_choices,
+        prompt_token_ids=prompt_ids,
+        usage=_usage(prompt_ids, choices),
+    )
 
 
 def completion_chunk(response_id: str, model: str, created: int, delta: ChoiceDelta) -> str:
-    choice = {
-        "index": delta.index,
-        "text": delta.text,
-        "finish_reason": delta.finish_reason,
-        "logprobs": None,
-        "token_ids": delta.token_ids,
-        "token_logprobs": delta.logprobs,
-    }
-    if delta.version_spans is not None:
-        choice["weight_versions"] = _spans(delta)
-    chunk = {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    return f"data: {json.dumps(chunk)}\n\n"
+    choice = CompletionChunkChoice(
+        index=delta.index,
+        text=delta.text,
+        finish_reason=delta.finish_reason,
+        token_ids=delta.token_ids,
+        token_logprobs=delta.logprobs,
+        weight_versions=delta.version_spans,
+    )
+    return sse(CompletionChunk(id=response_id, created=created, model=model, choices=[choice]))

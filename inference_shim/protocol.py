@@ -10,7 +10,8 @@ Weight-update ordering (who does what, in which order):
   2. per update, trainer POSTs /request_weight_update(version, update_id, tensors, bucket_bytes) to every server.
      Each server validates (names, shapes, dtypes, version) BEFORE any collective and answers 200 or 4xx.
      On 200 the server's workers wait in a background thread for the decision key in the store.
-  3. trainer writes store key decision_key(update_id) = "go" if every server accepted, else "abort".
+  3. trainer writes store key decision_key(update_id) = "go" if every server accepted, else "abort"
+     (every store value is signed with the server's token: sign_value / verify_value).
      On "go" it broadcasts the buckets planned by plan_buckets(); servers receive into staging buffers
      while they keep generating.
   4. each server applies the staged tensors (a short pause), resets its prefix cache, publishes the new
@@ -20,11 +21,13 @@ Weight-update ordering (who does what, in which order):
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CONTRACT_VERSION = "1.0"
 
@@ -100,7 +103,9 @@ class TensorMeta(_Strict):
 
 class WeightUpdateRequest(_Strict):
     version: int = Field(
-        ge=1, description="Weight version these tensors are; must exceed the server's current one."
+        ge=0,
+        description="Weight version these tensors are (0 = the start-up weights); must exceed the server's "
+        "current one unless `restore` is set (409 stale_version otherwise).",
     )
     update_id: str = Field(
         default_factory=lambda: uuid.uuid4().hex,
@@ -152,6 +157,50 @@ def received_key(group_name: str, update_id: str, rank: int) -> str:
 
 def result_key(group_name: str, update_id: str, server_id: str) -> str:
     return f"{group_name}/update/{update_id}/result/{server_id}"
+
+
+# Store values are authenticated (docs/contract.md § Store values): anyone who can reach the trainer's
+# TCPStore can write any key, so a value counts only if it carries an HMAC made with the server's token
+# (the Bearer token the trainer already holds). The MAC covers the key name, which holds the group and
+# update_id (and rank / server_id), so a value cannot be replayed under another key or another update.
+SIGNED_VALUE_PREFIX = "hmac-sha256:"
+
+
+class UnauthenticatedValue(ValueError):
+    """A store value whose HMAC is missing or wrong: the caller treats it as invalid (never as data)."""
+
+
+def _value_mac(token: str, key: str, payload: str) -> str:
+    # Length-prefixed key, so no (key, payload) pair can be re-split into another with the same MAC.
+    key_bytes = key.encode()
+    message = b"%d:%s%s" % (len(key_bytes), key_bytes, payload.encode())
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def sign_value(token: str | None, key: str, payload: str) -> str:
+    """The store value for `payload` under `key`: signed with `token`, unsigned when there is none
+    (a tokenless server is for a loopback-only, single-user setup)."""
+    if token is None:
+        return payload
+    return f"{SIGNED_VALUE_PREFIX}{_value_mac(token, key, payload)}:{payload}"
+
+
+def verify_value(token: str | None, key: str, value: bytes | str) -> str:
+    """The payload of the store value read from `key`; raises UnauthenticatedValue unless it was signed
+    with `token` for exactly this key. Without a token nothing can be checked: a signed value's MAC is
+    stripped, an unsigned value is taken as it is."""
+    text = value.decode() if isinstance(value, bytes) else value
+    signed = text.startswith(SIGNED_VALUE_PREFIX)
+    mac, _, payload = text.removeprefix(SIGNED_VALUE_PREFIX).partition(":") if signed else ("", "", text)
+    if token is None:
+        return payload
+    if not signed:
+        raise UnauthenticatedValue(f"store key {key} holds an unsigned value, but a token is set: an HMAC is required")
+    if not hmac.compare_digest(mac.encode(), _value_mac(token, key, payload).encode()):
+        raise UnauthenticatedValue(
+            f"store key {key} holds a value whose HMAC does not verify (another token, another key, or forged)"
+        )
+    return payload
 
 
 class BucketSlot(BaseModel):
@@ -220,9 +269,43 @@ class UpdateTimings(BaseModel):
     finished_at: float = Field(default_factory=time.time)
 
 
+class GroupState(BaseModel):
+    """The weight group a server joined (DebugState.group): its /init_process_group request and the ranks
+    its workers took. master_address and master_port (where the trainer's store listens) are None in the
+    view of a caller without the server's token (redacted())."""
+
+    master_address: str | None
+    master_port: int | None
+    rank_offset: int
+    world_size: int
+    backend: str
+    group_name: str
+    server_id: str
+    timeout_s: float
+    ranks: list[int]
+
+    def redacted(self) -> GroupState:
+        """This group without the store's address: who may reach the store may write its keys."""
+        return self.model_copy(update={"master_address": None, "master_port": None})
+
+
+class WorkerReceipt(BaseModel):
+    """A worker's received_key() value: it received every bucket of an update (ok) or failed (error).
+
+    Written by the worker (inference_shim/vllm_worker.py) into the trainer's store; the server waits for
+    one per worker before it pauses generation to apply."""
+
+    ok: bool
+    rank: int
+    error: str | None = None
+    traceback: str | None = None
+    receive_seconds: float = 0.0
+    bytes: int = 0
+
+
 class DebugState(BaseModel):
     weight_version: int
-    group: dict | None
+    group: GroupState | None
     pending_update: int | None
     last_update: UpdateTimings | None
     last_error: str | None
@@ -280,3 +363,136 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(description="Text, or token ids (no chat template applied).")
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+
+# Responses tolerate unknown fields (OpenAI adds fields over time). Extensions beyond OpenAI's schema:
+# `prompt_token_ids`, and per choice `token_ids` and `weight_versions`.
+class _Response(BaseModel):
+    # -inf logprobs go out as -Infinity (what json.dumps writes and Python's json reads), not null.
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: str | None = "assistant"
+    content: str | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] | None = None
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] | None = None
+
+
+class _ChoiceBase(_Response):
+    """In a stream chunk `token_ids` are the piece's NEW tokens and the final piece's `weight_versions`
+    span the whole choice."""
+
+    index: int = 0
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, description="Extension: the sampled token ids.")
+    weight_versions: list[VersionSpan] | None = Field(
+        default=None, description="Extension: tokens [start, end) came from weight version `version`."
+    )
+
+
+class _WholeChoice(_ChoiceBase):
+    @model_validator(mode="after")
+    def _spans_tile_the_tokens(self):
+        # Contiguous, non-empty, from 0 to len(token_ids). Versions need not increase: a trainer that
+        # restores a checkpoint (WeightUpdateRequest.restore) may lower the version mid-request.
+        spans, ids = self.weight_versions, self.token_ids
+        if spans is None or not ids:
+            return self
+        edges = [0, *(e for s in spans for e in (s.start, s.end)), len(ids)]
+        if edges[0::2] != edges[1::2] or any(s.start >= s.end for s in spans):
+            raise ValueError(f"weight_versions {[s.model_dump() for s in spans]} do not tile [0, {len(ids)})")
+        return self
+
+
+class ChatChoice(_WholeChoice):
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self):
+        content = self.logprobs.content if self.logprobs else None
+        if content is not None and self.token_ids is not None and len(content) != len(self.token_ids):
+            raise ValueError(f"{len(content)} logprobs for {len(self.token_ids)} token_ids")
+        return self
+
+
+class CompletionChoice(_WholeChoice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class ChatChunkChoice(_ChoiceBase):
+    delta: AssistantMessage = Field(default_factory=lambda: AssistantMessage(role=None))
+    logprobs: ChatLogprobs | None = None
+
+
+class CompletionChunkChoice(_ChoiceBase):
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    token_logprobs: list[float] | None = Field(default=None, description="Extension: logprobs of token_ids.")
+
+
+class _Generated(_Response):
+    # Subclasses narrow `object` and `choices`; declared here so the JSON keeps OpenAI's key order.
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="Extension: the prompt's token ids (in a stream: on each role chunk)."
+    )
+    usage: Usage | None = None
+
+
+class ChatCompletionResponse(_Generated):
+    object: str = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Generated):
+    object: str = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionResponse(_Generated):
+    object: str = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class CompletionChunk(_Generated):
+    object: str = "text_completion"
+    choices: list[CompletionChunkChoice]
+
+
+class StreamError(_Response):
+    """Sent in-band as `data: {"error": {...}}` when a stream fails after its 200 status line."""
+
+    message: str
+    type: str

@@ -10,7 +10,6 @@ and curl-friendly introspection (/health, /capabilities, /debug/state, /metrics)
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -24,11 +23,14 @@ from pydantic import BaseModel, Field
 from inference_shim.backends.base import Backend, ContractError, SamplingRequest
 from inference_shim.metrics import ShimMetrics
 from inference_shim.openai_format import (
+    SSE_DONE,
     chat_chunk,
     chat_response,
+    chat_role_chunk,
     completion_chunk,
     completion_response,
     new_id,
+    sse_error,
 )
 from inference_shim.protocol import (
     ChatCompletionRequest,
@@ -44,7 +46,9 @@ log = logging.getLogger("inference_shim")
 class ServeConfig(BaseModel):
     """Flags of `pipeline-rl serve`."""
 
-    backend: Literal["vllm", "sglang"] = Field(default="vllm", description="Engine behind the contract.")
+    backend: Literal["vllm", "sglang", "capture"] = Field(
+        default="vllm", description="Engine behind the contract (capture: receive weights only, no engine)."
+    )
     host: str = Field(default="127.0.0.1", description="Bind address; loopback unless you mean to expose it.")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port.")
     token: str | None = Field(default=None, description="Bearer token required on control routes.")
@@ -66,6 +70,7 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
             await backend.stop()
 
     app = FastAPI(title="pipeline-rl inference shim", lifespan=lifespan)
+    backend.token = token  # signs/verifies the weight plane's store values (protocol.sign_value)
 
     def require_token(request: Request) -> None:
         if token is None:
@@ -107,8 +112,16 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
         return backend.capabilities().model_dump()
 
     @app.get("/debug/state")
-    async def debug_state():
-        return backend.debug_state().model_dump()
+    async def debug_state(request: Request):
+        state = backend.debug_state()
+        try:
+            require_token(request)
+        except ContractError:
+            # Introspection stays open, but where the trainer's store listens is for the token holder:
+            # whoever reaches the store can tamper with its keys (unsigned rendezvous, forged values).
+            if state.group is not None:
+                state.group = state.group.redacted()
+        return state.model_dump()
 
     @app.get("/metrics")
     async def prometheus():
@@ -165,14 +178,14 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
         token_text = backend.token_text
         if not req.stream:
             async for choices in backend.generate(prompt_ids, params, stream=False):
-                return chat_response(model_name(), prompt_ids, choices, want_logprobs, token_text)
+                return _json(chat_response(model_name(), prompt_ids, choices, want_logprobs, token_text))
         generator = backend.generate(prompt_ids, params, stream=True)
         first = await _first_or_error(generator)  # errors before streaming starts become proper 4xx
 
         async def events():
             rid, created, name = new_id("chatcmpl"), int(time.time()), model_name()
             for index in range(req.n):
-                yield chat_chunk(rid, name, created, None, False, token_text, role=True, index=index)
+                yield chat_role_chunk(rid, name, created, index, prompt_ids)
             try:
                 batch = first
                 while batch is not None:
@@ -181,8 +194,8 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
                     batch = await anext(generator, None)
             except Exception as e:  # the status line is already sent: report in-band
                 log.exception("stream failed")
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': type(e).__name__}})}\n\n"
-            yield "data: [DONE]\n\n"
+                yield sse_error(e)
+            yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -197,8 +210,8 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
         params = sampling(req, req.logprobs or 0, req.max_tokens or 16)
         if not req.stream:
             async for choices in backend.generate(prompt_ids, params, stream=False):
-                return completion_response(
-                    model_name(), prompt_ids, choices, req.logprobs, backend.token_text
+                return _json(
+                    completion_response(model_name(), prompt_ids, choices, req.logprobs, backend.token_text)
                 )
         generator = backend.generate(prompt_ids, params, stream=True)
         first = await _first_or_error(generator)
@@ -213,12 +226,17 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
                     batch = await anext(generator, None)
             except Exception as e:
                 log.exception("stream failed")
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': type(e).__name__}})}\n\n"
-            yield "data: [DONE]\n\n"
+                yield sse_error(e)
+            yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+def _json(response: BaseModel) -> Response:
+    # Serialized by pydantic directly: FastAPI's generic encoder is slower and refuses a -inf logprob.
+    return Response(content=response.model_dump_json(), media_type="application/json")
 
 
 async def _first_or_error(generator):
@@ -233,6 +251,10 @@ def make_backend(cfg: ServeConfig, engine_options: dict, metrics: ShimMetrics) -
         from inference_shim.backends.vllm_backend import VllmBackend, VllmOptions
 
         return VllmBackend(VllmOptions(**engine_options), metrics)
+    if cfg.backend == "capture":
+        from inference_shim.backends.capture_backend import CaptureBackend, CaptureOptions
+
+        return CaptureBackend(CaptureOptions(**engine_options), metrics)
     from inference_shim.backends.sglang_backend import SglangBackend, SglangOptions
 
     return SglangBackend(SglangOptions(**engine_options), metrics)

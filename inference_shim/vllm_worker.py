@@ -4,10 +4,12 @@ Loaded inside each vLLM worker process with `worker_extension_cls="inference_shi
 its methods are added to vLLM's Worker, so `self` is the worker. The shim calls them through
 `AsyncLLM.collective_rpc(...)`. Ordering (see inference_shim/protocol.py for the whole protocol):
 
-  pr_init_group      once, joins the group as rank rank_offset + worker rank
+  pr_init_group      once, joins the group as rank rank_offset + worker rank (failures raise a
+                     JoinError naming the phase: store, group or probe)
   pr_arm_receive     per update: starts a background thread that waits for the trainer's decision key,
                      then receives every bucket into staging buffers while the engine keeps decoding,
-                     and finally writes a "received" key the shim waits on. Returns at once.
+                     and finally writes its WorkerReceipt under the "received" key the shim waits on.
+                     Returns at once.
   pr_apply           per update, with generation paused by the shim: loads the staged tensors through
                      vLLM's reload path (plain load_weights does not work on vLLM-CPU, whose linear
                      layers are prepacked). The staging buffers are kept for the next update (fresh
@@ -25,8 +27,9 @@ import traceback
 
 import torch
 
-from inference_shim.protocol import TensorMeta, decision_key, received_key
-from inference_shim.transfer import WeightGroup, connect_store, join_group, receive_buckets
+from inference_shim.backends.join import JoinError, join_weight_group, store_timeout
+from inference_shim.protocol import TensorMeta, WorkerReceipt, decision_key, received_key
+from inference_shim.transfer import WeightGroup, connect_store, receive_buckets
 
 
 class WeightReceiverExtension:
@@ -55,12 +58,20 @@ class WeightReceiverExtension:
         start = time.monotonic()
         rank = rank_offset + self.rank
         # Split the deadline: connecting to a store that never appears must fail early enough for
-        # the whole call to answer within timeout_s.
-        store = connect_store(
-            master_address, master_port, is_master=False, world_size=None, timeout_s=max(1.0, 0.4 * timeout_s)
-        )
+        # the whole call to answer within timeout_s. Failures name their phase (JoinError): the shim
+        # tells "trainer unreachable" from "group did not form" from "probe all-reduce failed".
+        try:
+            store = connect_store(
+                master_address,
+                master_port,
+                is_master=False,
+                world_size=None,
+                timeout_s=store_timeout(timeout_s),
+            )
+        except Exception as e:
+            raise JoinError("store", e) from e
         remaining = max(1.0, timeout_s - (time.monotonic() - start) - 0.5)
-        group = join_group(
+        group = join_weight_group(
             store,
             rank=rank,
             world_size=world_size,
@@ -103,23 +114,12 @@ class WeightReceiverExtension:
         bucket_bytes: int,
         timeout_s: float,
     ) -> None:
-        status: dict = {"ok": False, "rank": group.rank}
-        try:
-            key = decision_key(group.group_name, update_id)
-            group.store.wait([key], _timedelta(timeout_s))
-            decision = group.store.get(key).decode()
-            if decision != "go":
-                status["error"] = f"trainer decided {decision!r} for version {version}"
-            else:
-                start = time.perf_counter()
-                staged, nbytes = receive_buckets(group, metas, bucket_bytes, self._pr_buffers)
-                self._pr_staged = {"version": version, "tensors": staged}
-                status.update(ok=True, bytes=nbytes, receive_seconds=time.perf_counter() - start)
-        except Exception as e:  # reported to the shim through the store, which reports it to the trainer
-            status["error"] = f"{type(e).__name__}: {e}"
-            status["traceback"] = traceback.format_exc(limit=3)
-        finally:
-            group.store.set(received_key(group.group_name, update_id, group.rank), json.dumps(status))
+        receipt, staged = receive_update(
+            group, version, update_id, metas, bucket_bytes, timeout_s, self._pr_buffers
+        )
+        if staged is not None:
+            self._pr_staged = {"version": version, "tensors": staged}
+        group.store.set(received_key(group.group_name, update_id, group.rank), receipt.model_dump_json())
 
     def pr_apply(self, version: int) -> float:
         staged = self._pr_staged
@@ -145,6 +145,40 @@ class WeightReceiverExtension:
         self._pr_buffers = None
         if group is not None:
             group.pg.shutdown() if hasattr(group.pg, "shutdown") else None
+
+
+def receive_update(
+    group: WeightGroup,
+    version: int,
+    update_id: str,
+    metas: list[TensorMeta],
+    bucket_bytes: int,
+    timeout_s: float,
+    buffers: list[torch.Tensor] | None = None,
+) -> tuple[WorkerReceipt, list[tuple[str, torch.Tensor]] | None]:
+    """One receiver's part of an update: wait for the trainer's decision, on "go" receive every bucket.
+
+    Returns the receipt and the received (name, tensor) views, None unless ok. Never raises: a failure
+    is reported in the receipt, which reaches the trainer through the server. Shared by this worker and
+    the capture backend (inference_shim/backends/capture_backend.py).
+    """
+    receipt = WorkerReceipt(ok=False, rank=group.rank)
+    try:
+        key = decision_key(group.group_name, update_id)
+        group.store.wait([key], _timedelta(timeout_s))
+        decision = group.store.get(key).decode()
+        if decision != "go":
+            receipt.error = f"trainer decided {decision!r} for version {version}"
+            return receipt, None
+        start = time.perf_counter()
+        staged, nbytes = receive_buckets(group, metas, bucket_bytes, buffers)
+        receipt.ok, receipt.bytes = True, nbytes
+        receipt.receive_seconds = time.perf_counter() - start
+        return receipt, staged
+    except Exception as e:
+        receipt.error = f"{type(e).__name__}: {e}"
+        receipt.traceback = traceback.format_exc(limit=3)
+        return receipt, None
 
 
 def _retie_word_embeddings(model) -> None:

@@ -14,24 +14,12 @@ Heavy modules (torch, vLLM) are imported inside the subcommand that needs them, 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-# What every engine process on a CPU box needs (see docs/decisions.md): a bounded KV cache instead of
-# ~90% of RAM, loopback addresses, no hub access, no usage reporting. Explicit settings win.
-ENGINE_ENV_DEFAULTS = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
-def apply_engine_env() -> None:
-    for key, value in ENGINE_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+# The server's command line lives in inference_shim/cli.py; `serve` is it, flag for flag. Its engine
+# environment defaults apply to every process kind here too (bench/servers.py imports them from here).
+from inference_shim import cli as server_cli
+from inference_shim.cli import ENGINE_ENV_DEFAULTS, apply_engine_env  # noqa: F401
 
 
 def _set_title(name: str) -> None:
@@ -45,42 +33,11 @@ def _set_title(name: str) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run an inference server (HTTP contract in front of an engine)")
-    p.add_argument("--backend", choices=["vllm", "sglang"], default="vllm")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--token", default=os.environ.get("PIPELINE_RL_TOKEN"), help="Bearer token for control routes"
-    )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-after-update", choices=["recompute", "keep"], default="recompute")
-    p.add_argument("--log-level", default="info")
+    server_cli.add_serve_arguments(p)
 
 
 def _run_serve(args: argparse.Namespace) -> None:
-    apply_engine_env()
-    _set_title(f"serve:{args.port}")
-    from inference_shim.server import ServeConfig, serve
-
-    cfg = ServeConfig(
-        backend=args.backend, host=args.host, port=args.port, token=args.token, log_level=args.log_level
-    )
-    engine = {
-        "model": args.model,
-        "served_model_name": args.served_model_name,
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "seed": args.seed,
-        "kv_after_update": args.kv_after_update,
-    }
-    serve(cfg, engine)
+    server_cli.run(args)
 
 
 def _add_tiny_model(sub) -> None:
@@ -116,15 +73,24 @@ def _run_tiny_model(args: argparse.Namespace) -> None:
 
 # Subcommands whose module parses its own arguments: name -> (help, "module:function(argv)").
 PASSTHROUGH = {
-    "launch": ("start a whole run: redis, servers, trainer, preprocessors, actors", "pipeline_rl.launch.main:main"),
-    "demo": ("build + warm up the tiny model, then launch pipelined RL on arith", "pipeline_rl.launch.demo:main"),
-    "actor": ("one actor process (started by the launcher)", "pipeline_rl.actor:main"),
+    "launch": (
+        "start a whole run: redis, servers, trainer, preprocessors, actors",
+        "pipeline_rl.launch.main:main",
+    ),
+    "demo": (
+        "build + warm up the tiny model, then launch pipelined RL on arith",
+        "pipeline_rl.launch.demo:main",
+    ),
+    "actor": ("one actor process (started by the launcher)", "pipeline_rl.actor.main:main"),
     "preprocess": ("one preprocessor process (started by the launcher)", "pipeline_rl.preprocess:main"),
     "train": (
         "one trainer rank (run under accelerate launch by the launcher)",
         "pipeline_rl.trainer.main:main",
     ),
-    "bench": ("benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim", "pipeline_rl.bench.run:main"),
+    "bench": (
+        "benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim",
+        "pipeline_rl.bench.run:main",
+    ),
 }
 
 

@@ -8,6 +8,7 @@ dict. Sections owned by other modules (streams, task, reward, algo, preprocess) 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipeline_rl.algo_config import AlgoConfig
 from pipeline_rl.preprocess_ops import PreprocessConfig
 from pipeline_rl.streams import StreamsConfig
+from pipeline_rl.streams.config import redact_url
 from pipeline_rl.tasks import RewardConfig, TaskConfig
 
 
@@ -97,10 +99,17 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup steps.")
     batch_size: int = Field(32, ge=1, description="Samples per optimizer step, over all ranks.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
-    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at shutdown).")
-    resume: bool = Field(False, description="Continue from the latest checkpoint in the run directory.")
+    checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0 = no step cadence).")
+    checkpoint_every_s: float = Field(
+        300.0, ge=0, description="Checkpoint once this many seconds passed since the last one (0 = off)."
+    )
+    resume: bool = Field(
+        False, description="Continue from the newest checkpoint that verifies (older ones are fallbacks)."
+    )
     keep_checkpoints: int = Field(
-        2, ge=1, description="Newest checkpoints kept on disk; older ones are deleted."
+        2,
+        ge=2,
+        description="Newest verified checkpoints kept (>= 2: one to fall back to); older are deleted.",
     )
     bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
     push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
@@ -115,6 +124,18 @@ class EvalConfig(_Section):
     num_problems: int = Field(200, ge=1, description="Test problems per evaluation.")
     max_tokens: int = Field(32, ge=1, description="Completion limit during evaluation.")
     every_s: float = Field(0.0, ge=0, description="Also evaluate every N seconds during the run (0 = off).")
+
+
+class PlacementConfig(_Section):
+    """Which GPUs each process of this node gets (platform=gpu; the map is printed at start)."""
+
+    num_gpus: int | None = Field(
+        None, ge=0, description="GPUs of this node; unset: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`."
+    )
+    colocate: bool = Field(
+        False,
+        description="Let servers share the trainer ranks' GPUs when there are too few for one each.",
+    )
 
 
 class RunConfig(_Section):
@@ -137,6 +158,10 @@ class RunConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    secrets_file: str | None = Field(
+        None, description="Set by the launcher: the 0600 file holding the token and Redis password."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -166,6 +191,43 @@ class RunConfig(_Section):
         return Path(self.run_dir)
 
 
+def secret_fields(cfg: RunConfig) -> dict:
+    """The secrets of `cfg` (control-route token, Redis URL with its password) as a partial config.
+
+    The launcher writes them to `secrets_file` (mode 0600) and `public_config` leaves them out of
+    config.json, so the run directory can be read, shared and attached to bug reports without them.
+    """
+    secrets: dict = {}
+    if cfg.inference.token:
+        secrets["inference"] = {"token": cfg.inference.token}
+    if cfg.streams.redis_url and redact_url(cfg.streams.redis_url) != cfg.streams.redis_url:
+        secrets["streams"] = {"redis_url": cfg.streams.redis_url}
+    return secrets
+
+
+def public_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` without its secrets: no token, the Redis URL without its password."""
+    update: dict = {"inference": cfg.inference.model_copy(update={"token": None})}
+    if cfg.streams.redis_url:
+        update["streams"] = cfg.streams.model_copy(update={"redis_url": redact_url(cfg.streams.redis_url, "")})
+    return cfg.model_copy(update=update)
+
+
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read the config.json the launcher wrote (child processes call this once at startup)."""
-    return RunConfig.model_validate_json(Path(path).read_text())
+    """Read the config.json the launcher wrote, with the secrets from its `secrets_file` merged in.
+
+    Child processes call this once at startup. A missing or unreadable secrets file is an error (a run
+    without its token or Redis password would only fail later, less clearly).
+    """
+    data = json.loads(Path(path).read_text())
+    if data.get("secrets_file"):
+        try:
+            secrets = json.loads(Path(data["secrets_file"]).read_text())
+        except OSError as e:
+            raise RuntimeError(
+                f"{path} names secrets_file {data['secrets_file']!r}, which cannot be read ({e}): run this "
+                "process as the user who launched the run, or relaunch"
+            ) from None
+        for section, values in secrets.items():
+            data.setdefault(section, {}).update(values)
+    return RunConfig.model_validate(data)

@@ -22,7 +22,11 @@ Ordering contract (each group is trained exactly once):
   those groups instead of writing them twice.
   Pending groups are never claimed by another preprocessor (claim_idle_s=None): a live preprocessor
   holds its groups unacked for as long as a batch takes to fill, so a claim would duplicate them. A
-  dead preprocessor's groups wait for its restart under the same --index (the launcher restarts it).
+  dead preprocessor's groups wait, pending, until a preprocessor with the same --index reads the same
+  stream again. Nothing restarts it automatically: the launcher stops the whole run when any child dies,
+  and its private Redis keeps nothing on disk. The groups survive on a stream that outlives the run
+  (streams.redis_url, or the files backend): relaunch with trainer.resume=true, or run
+  `<run_dir>/cmd/preprocessor<index>.sh`, and they are redone.
 """
 
 from __future__ import annotations

@@ -121,23 +121,3 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     ).save_pretrained(out)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.model_dump(), indent=2) + "\n")
     return out
-
-
-def checkpoint_tensor_table(model_dir: str | Path) -> dict[str, tuple[str, list[int]]]:
-    """{HF tensor name: (dtype, shape)} read from the safetensors headers, without loading any weights."""
-    from safetensors import safe_open
-
-    table: dict[str, tuple[str, list[int]]] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(
-                    sl.get_dtype(), sl.get_dtype().lower()
-                )
-                table[name] = (dtype, list(sl.get_shape()))
-    if not table:
-        raise FileNotFoundError(
-            f"no *.safetensors weights in {model_dir}: is it a Hugging Face model directory?"
-        )
-    return table

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the inference contract tests against REAL SGLang (and real CUDA vLLM) on a GPU machine.
 #
-#   bash scripts/gpu_contract_tests.sh                 # SGLang contract tests (tests/test_contract_suite.py)
+#   bash scripts/gpu_contract_tests.sh                 # SGLang contract tests (tests/integration/test_contract_suite.py)
 #   bash scripts/gpu_contract_tests.sh -k inflight     # extra pytest arguments are passed on
 #
 # What it needs: an NVIDIA GPU (nvidia-smi), and SGLang in its own venv, which `bash scripts/setup.sh`
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then
   echo "gpu_contract_tests: no NVIDIA GPU here; the SGLang stand-in variant runs on CPU instead:" >&2
-  echo "  .venv/bin/python -m pytest -m slow tests/test_contract_suite.py -k sglang-standin" >&2
+  echo "  .venv/bin/python -m pytest -m slow tests/integration/test_contract_suite.py -k sglang-standin" >&2
   exit 2
 fi
 
@@ -30,4 +30,4 @@ fi
 echo "gpu_contract_tests: SGLang $("$PIPELINE_RL_SGLANG_PYTHON" -c 'import sglang; print(sglang.__version__)')"
 
 export PIPELINE_RL_SGLANG=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -v -rA tests/test_contract_suite.py -k "sglang and not standin" "$@"
+exec .venv/bin/python -m pytest -v -rA tests/integration/test_contract_suite.py -k "sglang and not standin" "$@"

@@ -1,20 +1,48 @@
-"""The interface every engine backend implements, and the checks all of them share.
+"""The interface every engine backend implements, and the weight-update lifecycle all of them share.
 
 The FastAPI app (inference_shim/server.py) only talks to a Backend; one file per engine implements it
-(vllm_backend.py, sglang_backend.py). Everything here is engine-free.
+(vllm_backend.py, sglang_backend.py, capture_backend.py). Everything here is engine-free.
+
+State every backend keeps (set once, in Backend.__init__):
+  version          the weight version served; advanced only by an applied update
+  pending          the version being received or applied, None when idle (one update at a time)
+  group, store     the joined weight group (GroupState) and the shim's client of the trainer's TCPStore
+  last_update      timings of the last applied update
+  last_error       the most recent failure (join or update), cleared by the next applied update
+  unhealthy        set when weights may be partially applied: /health answers 503 until a restart
+  paused, in_flight, updates_applied
+
+The lifecycle (template methods here; engines fill in the hooks named in brackets):
+  init_process_group     connect the shim's store client (proves the trainer is there), then
+                         [_join_group] the engine's workers join as ranks rank_offset...; a failure
+                         answers 504 naming its phase (join.py: store, group or probe)
+  request_weight_update  validate (4xx before any collective), mark pending, [_arm_receive], 200; then,
+                         in a background task:
+                           [_wait_received] (trainer's "go", buckets staged where the engine can stage)
+                           -> [_pause] -> [_apply] -> [_set_version_label] -> [_reset_cache] -> [_resume]
+                           -> publish the version -> write the result key for the trainer.
+                         On failure: record it (unhealthy if weights may be mixed), [_discard], write
+                         the failed result key.
+  destroy_process_group  [_leave_group]
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from inference_shim.backends.join import JoinPhase, join_failure_detail, join_phase, short, store_timeout
 from inference_shim.protocol import (
+    Bucket,
     Capabilities,
     DebugState,
+    GroupState,
     HealthResponse,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
@@ -23,7 +51,13 @@ from inference_shim.protocol import (
     VersionSpan,
     WeightUpdateAccepted,
     WeightUpdateRequest,
+    plan_buckets,
+    result_key,
+    sign_value,
 )
+
+if TYPE_CHECKING:
+    from inference_shim.metrics import ShimMetrics
 
 log = logging.getLogger("inference_shim")
 
@@ -68,13 +102,39 @@ class ChoiceDelta:
 
 
 class Backend(abc.ABC):
+    """One engine behind the contract. Owns the shared state and the update lifecycle (module docstring);
+    subclasses implement start/stop, health, capabilities, generate and the engine hooks."""
+
     name: str
 
+    def __init__(self, metrics: ShimMetrics) -> None:
+        self.metrics = metrics
+        self.tokenizer: Any = None
+        # {checkpoint tensor name: (dtype the engine wants, shape)}: what validate_update accepts.
+        self.table: dict[str, tuple[str, list[int]]] = {}
+        self.version = 0
+        self.pending: int | None = None
+        self.group: GroupState | None = None
+        self.store: Any = None  # torch TCPStore client: decision, received and result keys
+        # The server's --token (set by server.create_app): signs the store values this server writes and
+        # verifies the trainer's (protocol.sign_value / verify_value). None: unsigned (loopback only).
+        self.token: str | None = None
+        self.last_update: UpdateTimings | None = None
+        self.last_error: str | None = None
+        self.unhealthy: str | None = None
+        self.paused = False
+        self.updates_applied = 0
+        self.in_flight = 0
+        self._engine_version = "unknown"
+        self._update_lock = asyncio.Lock()
+        self._update_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ engine-specific
     @abc.abstractmethod
     async def start(self) -> None: ...
 
     @abc.abstractmethod
-    async def stop(self) -> None: ...
+    async def _stop_engine(self) -> None: ...
 
     @abc.abstractmethod
     def health(self) -> HealthResponse: ...
@@ -82,36 +142,170 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 
-    # Shared by every backend: each keeps these attributes up to date.
-    tokenizer: Any
-    version: int
-    group: dict | None
-    pending: int | None
-    last_update: UpdateTimings | None
-    last_error: str | None
-    in_flight: int
-    paused: bool
-    updates_applied: int
-    unhealthy: str | None
-    metrics: Any  # inference_shim.metrics.ShimMetrics
+    @abc.abstractmethod
+    def generate(
+        self, prompt_ids: list[int], params: SamplingRequest, stream: bool
+    ) -> AsyncIterator[list[ChoiceDelta]]:
+        """Yields lists of deltas while streaming; a single list of complete choices otherwise."""
 
-    def debug_state(self) -> DebugState:
-        return DebugState(
-            weight_version=self.version,
-            group=self.group,
-            pending_update=self.pending,
-            last_update=self.last_update,
-            last_error=self.last_error,
-            in_flight_requests=self.in_flight,
-            paused=self.paused,
-            updates_applied=self.updates_applied,
+    async def stop(self) -> None:
+        if self._update_task is not None:
+            self._update_task.cancel()
+        await self._stop_engine()
+
+    # ------------------------------------------------------------------ hooks of the update lifecycle
+    # (the ones that are not abstract do nothing unless an engine needs them)
+    @abc.abstractmethod
+    async def _join_group(self, req: InitProcessGroupRequest, timeout_s: float) -> list[int]:
+        """Join the engine's workers to the group (self.store is connected) within timeout_s; their ranks.
+        Raise JoinError to say which phase failed (anything else counts as "group")."""
+
+    @abc.abstractmethod
+    async def _leave_group(self, group: GroupState) -> None: ...
+
+    async def _arm_receive(self, req: WeightUpdateRequest) -> None:
+        """Prepare to receive `req` (before the 200): e.g. start the workers' background receive."""
+        return None
+
+    @abc.abstractmethod
+    async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
+        """Return once the update may be applied (trainer said "go"; staged where the engine can stage),
+        filling in what it knows of result (receive_seconds, total_bytes). Raise if it failed."""
+
+    async def _pause(self) -> None:
+        """Stop the engine's decoding; in-flight requests are frozen, never aborted."""
+        return None
+
+    @abc.abstractmethod
+    async def _apply(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
+        """Load the update's tensors (generation is paused); fill in result.apply_seconds."""
+
+    async def _set_version_label(self, version: int) -> None:
+        """Tokens decoded from now on are labelled `version` (still paused)."""
+        return None
+
+    async def _reset_cache(self) -> None:
+        """Drop KV the old weights computed, where kv_after_update asks for it (still paused)."""
+        return None
+
+    async def _resume(self) -> None:
+        """Decoding continues."""
+        return None
+
+    async def _discard(self) -> None:
+        """A failed update: drop whatever was staged for it."""
+        return None
+
+    def _partially_applied(self, applying: bool) -> bool:
+        """After a failure: may the engine hold a mix of old and new weights? `applying` says whether the
+        failure came between the pause and the resume."""
+        return applying
+
+    def _wire_bytes(self, buckets: list[Bucket]) -> int:
+        """Bytes this server receives for an update planned as `buckets` (default: aligned buckets)."""
+        return sum(b.nbytes for b in buckets)
+
+    # ------------------------------------------------------------------ the lifecycle
+    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
+        from inference_shim.transfer import connect_store
+
+        if self.group is not None:
+            raise ContractError(409, "already_joined", "call POST /destroy_process_group first")
+        start = time.monotonic()
+        try:
+            # Reaching the store first proves the trainer is there before any engine is asked to join
+            # (SGLang's join blocks its scheduler, with torch's 30-minute default timeout).
+            store = await asyncio.to_thread(
+                connect_store,
+                req.master_address,
+                req.master_port,
+                is_master=False,
+                world_size=None,
+                timeout_s=store_timeout(req.timeout_s),
+            )
+        except Exception as e:
+            raise self._join_failed(req, "store", e) from e
+        self.store = store
+        try:
+            ranks = await self._join_group(req, max(1.0, req.timeout_s - (time.monotonic() - start)))
+        except Exception as e:
+            self.store = None
+            raise self._join_failed(req, join_phase(e), e) from e
+        self.group = GroupState(**req.model_dump(), ranks=list(ranks))
+        return InitProcessGroupResponse(ranks=list(ranks), join_seconds=time.monotonic() - start)
+
+    def _join_failed(
+        self, req: InitProcessGroupRequest, phase: JoinPhase, error: BaseException
+    ) -> ContractError:
+        detail = join_failure_detail(req, phase, error)
+        self.last_error = f"joining weight group failed: {detail}"
+        log.error(self.last_error)
+        return ContractError(504, "join_failed", detail)
+
+    async def destroy_process_group(self) -> None:
+        if self.group is None:
+            raise ContractError(409, "no_process_group", "nothing to destroy")
+        if self.pending is not None:
+            raise ContractError(409, "update_in_progress", f"version {self.pending} is in flight")
+        group, self.group, self.store = self.group, None, None
+        await self._leave_group(group)
+
+    async def request_weight_update(self, req: WeightUpdateRequest) -> WeightUpdateAccepted:
+        async with self._update_lock:
+            validate_update(req, self.table, self.version, self.pending, self.group is not None)
+            self.pending = req.version
+        try:
+            await self._arm_receive(req)
+        except Exception as e:
+            self.pending = None
+            raise ContractError(500, "arm_failed", short(e)) from e
+        self._update_task = asyncio.create_task(self._run_update(req, self.group, self.store))
+        buckets = plan_buckets(req.tensors, req.bucket_bytes)
+        return WeightUpdateAccepted(
+            version=req.version, num_buckets=len(buckets), total_bytes=self._wire_bytes(buckets)
         )
 
+    async def _run_update(self, req: WeightUpdateRequest, group: GroupState, store: Any) -> None:
+        """The background half of an update; always ends by writing the result key the trainer waits on."""
+        result = UpdateResult(server_id=group.server_id, version=req.version, ok=False)
+        applying = False
+        try:
+            await self._wait_received(req, result)
+            paused_at = time.perf_counter()
+            applying = True
+            try:
+                self.paused = True
+                await self._pause()
+                await self._apply(req, result)
+                await self._set_version_label(req.version)
+                await self._reset_cache()
+            finally:
+                await self._resume()
+                self.paused = False
+            applying = False
+            result.pause_seconds = time.perf_counter() - paused_at
+            self._publish_update(result)
+        except BaseException as e:
+            self._record_failed_update(result, e, partially_applied=self._partially_applied(applying))
+            try:
+                await self._discard()
+            except Exception:
+                log.exception("discarding staged weights failed")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            self.pending = None
+            if store is not None:
+                key = result_key(group.group_name, req.update_id, group.server_id)
+                value = sign_value(self.token, key, result.model_dump_json())
+                await asyncio.to_thread(store.set, key, value)
+
     def _publish_update(self, result: UpdateResult) -> None:
-        """An update was applied: serve its version and record its timings (both backends)."""
+        """An update was applied: serve its version, record its timings, forget the last failure."""
         result.ok = True
         self.version = result.version
         self.updates_applied += 1
+        self.last_error = None
         self.last_update = UpdateTimings(
             version=result.version,
             total_bytes=result.total_bytes,
@@ -125,13 +319,25 @@ class Backend(abc.ABC):
         self, result: UpdateResult, error: BaseException, partially_applied: bool
     ) -> None:
         """An update failed: report it; if some tensors may be loaded, never serve the mix silently."""
-        lines = str(error).strip().splitlines()
-        result.error = f"{type(error).__name__}: {(lines[0] if lines else '')[:400]}"
+        result.error = f"{type(error).__name__}: {short(error)}"
         self.last_error = f"update to version {result.version} failed: {result.error}"
         log.error(self.last_error)
         self.metrics.updates.labels(result="error").inc()
         if partially_applied:
             self.unhealthy = f"weights may be partially applied (version {result.version}): {result.error}; restart the server"
+
+    # ------------------------------------------------------------------ introspection, tokenizer
+    def debug_state(self) -> DebugState:
+        return DebugState(
+            weight_version=self.version,
+            group=self.group,
+            pending_update=self.pending,
+            last_update=self.last_update,
+            last_error=self.last_error,
+            in_flight_requests=self.in_flight,
+            paused=self.paused,
+            updates_applied=self.updates_applied,
+        )
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The model's own chat template, rendered straight to token ids (never re-tokenized later)."""
@@ -147,24 +353,10 @@ class Backend(abc.ABC):
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    @abc.abstractmethod
-    def generate(
-        self, prompt_ids: list[int], params: SamplingRequest, stream: bool
-    ) -> AsyncIterator[list[ChoiceDelta]]:
-        """Yields lists of deltas while streaming; a single list of complete choices otherwise."""
 
-    @abc.abstractmethod
-    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse: ...
-
-    @abc.abstractmethod
-    async def request_weight_update(self, req: WeightUpdateRequest) -> WeightUpdateAccepted: ...
-
-    @abc.abstractmethod
-    async def destroy_process_group(self) -> None: ...
-
-    def prometheus_extra(self) -> dict[str, float]:
-        """Backend-specific gauges for /metrics."""
-        return {}
+def served_name(model_dir: str, served_model_name: str | None) -> str:
+    """The model's name in /v1/models and /capabilities: the one given, else the directory's name."""
+    return served_model_name or Path(model_dir.rstrip("/")).name
 
 
 def prompt_room(prompt_ids: list[int], max_model_len: int) -> int:

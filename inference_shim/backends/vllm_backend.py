@@ -3,12 +3,13 @@
 In-process rather than a private OpenAI server: the shim then owns pause/resume, collective_rpc and the
 per-step weight-version labels directly, and no engine port exists that could leak beyond loopback.
 
-Weight updates (see inference_shim/protocol.py for the trainer's half):
-  validate -> arm the workers' background receive -> 200 to the trainer
+Weight updates follow base.Backend's lifecycle; this file fills its hooks with worker RPCs
+(inference_shim/vllm_worker.py; inference_shim/protocol.py has the trainer's half):
+  arm the workers' background receive -> 200 to the trainer
   ... trainer writes "go" and broadcasts; workers stage the buckets while decoding continues ...
-  wait for every worker's "received" key -> pause (mode=keep: in-flight requests are frozen, not
+  wait for every worker's WorkerReceipt -> pause (mode=keep: in-flight requests are frozen, not
   aborted) -> pr_apply (vLLM reload path) -> set the engine's weight-version label -> drop KV computed
-  by the old weights -> resume -> publish the version and write the result key for the trainer.
+  by the old weights -> resume.
 vLLM labels the output of every engine step with the label current at that step, so the per-token
 version spans it returns are exact.
 """
@@ -18,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -29,29 +28,23 @@ from pydantic import BaseModel, Field
 from inference_shim.backends.base import (
     Backend,
     ChoiceDelta,
-    ContractError,
     SamplingRequest,
     prompt_room,
-    validate_update,
+    served_name,
 )
 from inference_shim.metrics import ShimMetrics
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     Capabilities,
+    GroupState,
     HealthResponse,
     InitProcessGroupRequest,
-    InitProcessGroupResponse,
     UpdateResult,
-    UpdateTimings,
     VersionSpan,
-    WeightUpdateAccepted,
     WeightUpdateRequest,
-    plan_buckets,
+    WorkerReceipt,
     received_key,
-    result_key,
 )
-
-log = logging.getLogger("inference_shim.vllm")
 
 WORKER_EXTENSION = "inference_shim.vllm_worker.WeightReceiverExtension"
 
@@ -84,25 +77,10 @@ class VllmBackend(Backend):
     name = "vllm"
 
     def __init__(self, options: VllmOptions, metrics: ShimMetrics) -> None:
+        super().__init__(metrics)
         self.options = options
-        self.metrics = metrics
         self.engine = None
-        self.tokenizer = None
-        self.table: dict[str, tuple[str, list[int]]] = {}
-        self.version = 0
-        self.pending: int | None = None
-        self.group: dict | None = None
-        self.store = None
-        self.last_update: UpdateTimings | None = None
-        self.last_error: str | None = None
-        self.unhealthy: str | None = None
-        self.paused = False
-        self.updates_applied = 0
-        self.in_flight = 0
         self.workers = options.tensor_parallel_size
-        self._update_lock = asyncio.Lock()
-        self._update_task: asyncio.Task | None = None
-        self._engine_version = "unknown"
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -111,7 +89,7 @@ class VllmBackend(Backend):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from pipeline_rl.tiny_model import checkpoint_tensor_table
+        from inference_shim.checkpoint_table import checkpoint_tensor_table
 
         o = self.options
         self._engine_version = vllm.__version__
@@ -136,20 +114,15 @@ class VllmBackend(Backend):
             name: (engine_dtype, shape) for name, (_, shape) in checkpoint_tensor_table(o.model).items()
         }
         self.workers = self.engine.vllm_config.parallel_config.world_size
-        self.metrics.weight_version.set(0)
 
-    async def stop(self) -> None:
-        if self._update_task is not None:
-            self._update_task.cancel()
+    async def _stop_engine(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
 
     @property
     def model_name(self) -> str:
-        from pathlib import Path
-
-        return self.options.served_model_name or Path(self.options.model.rstrip("/")).name
+        return served_name(self.options.model, self.options.served_model_name)
 
     # ------------------------------------------------------------------ introspection
     def health(self) -> HealthResponse:
@@ -243,137 +216,57 @@ class VllmBackend(Backend):
             version_spans=spans,
         )
 
-    # ------------------------------------------------------------------ weight transfer
-    async def init_process_group(self, req: InitProcessGroupRequest) -> InitProcessGroupResponse:
-        from inference_shim.transfer import connect_store
+    # ------------------------------------------------------------------ update hooks (base.Backend)
+    async def _join_group(self, req: InitProcessGroupRequest, timeout_s: float) -> list[int]:
+        args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend)
+        ranks = await asyncio.wait_for(
+            self.engine.collective_rpc(
+                "pr_init_group", timeout=timeout_s + 5, args=(*args, req.group_name, timeout_s)
+            ),
+            timeout=timeout_s + 5,
+        )
+        return list(ranks)
 
-        if self.group is not None:
-            raise ContractError(409, "already_joined", "call POST /destroy_process_group first")
-        start = time.monotonic()
-        try:
-            ranks = await asyncio.wait_for(
-                self.engine.collective_rpc(
-                    "pr_init_group",
-                    timeout=req.timeout_s + 5,
-                    args=(
-                        req.master_address,
-                        req.master_port,
-                        req.rank_offset,
-                        req.world_size,
-                        req.backend,
-                        req.group_name,
-                        req.timeout_s,
-                    ),
-                ),
-                timeout=req.timeout_s + 5,
-            )
-            # The shim's own store client: it waits for the workers' "received" keys and writes results.
-            self.store = await asyncio.to_thread(
-                connect_store,
-                req.master_address,
-                req.master_port,
-                is_master=False,
-                world_size=None,
-                timeout_s=req.timeout_s,
-            )
-        except Exception as e:
-            self.last_error = f"joining weight group failed: {e}"
-            raise ContractError(
-                504,
-                "join_failed",
-                f"could not join the weight group at {req.master_address}:{req.master_port} within "
-                f"{req.timeout_s:.0f}s ({type(e).__name__}: {_short(e)}); is the trainer up and listening?",
-            ) from e
-        self.group = req.model_dump() | {"ranks": list(ranks)}
-        return InitProcessGroupResponse(ranks=list(ranks), join_seconds=time.monotonic() - start)
-
-    async def destroy_process_group(self) -> None:
-        if self.group is None:
-            raise ContractError(409, "no_process_group", "nothing to destroy")
-        if self.pending is not None:
-            raise ContractError(409, "update_in_progress", f"version {self.pending} is in flight")
+    async def _leave_group(self, group: GroupState) -> None:
         await self.engine.collective_rpc("pr_destroy_group", timeout=30)
-        self.group = None
-        self.store = None
 
-    async def request_weight_update(self, req: WeightUpdateRequest) -> WeightUpdateAccepted:
-        async with self._update_lock:
-            validate_update(req, self.table, self.version, self.pending, self.group is not None)
-            self.pending = req.version
+    async def _arm_receive(self, req: WeightUpdateRequest) -> None:
         tensors_json = json.dumps([t.model_dump() for t in req.tensors])
-        try:
-            ranks = await self.engine.collective_rpc(
-                "pr_arm_receive",
-                timeout=30,
-                args=(req.version, req.update_id, tensors_json, req.bucket_bytes, req.timeout_s),
-            )
-        except Exception as e:
-            self.pending = None
-            raise ContractError(500, "arm_failed", _short(e)) from e
-        self._update_task = asyncio.create_task(self._finish_update(req, list(ranks)))
-        buckets = plan_buckets(req.tensors, req.bucket_bytes)
-        return WeightUpdateAccepted(
-            version=req.version, num_buckets=len(buckets), total_bytes=sum(b.nbytes for b in buckets)
+        await self.engine.collective_rpc(
+            "pr_arm_receive",
+            timeout=30,
+            args=(req.version, req.update_id, tensors_json, req.bucket_bytes, req.timeout_s),
         )
 
-    async def _finish_update(self, req: WeightUpdateRequest, ranks: list[int]) -> None:
-        group_name = self.group["group_name"]
-        server_id = self.group["server_id"]
-        result = UpdateResult(server_id=server_id, version=req.version, ok=False)
-        applying = False
-        try:
-            keys = [received_key(group_name, req.update_id, r) for r in ranks]
-            await asyncio.to_thread(self.store.wait, keys, dt.timedelta(seconds=req.timeout_s))
-            statuses = [json.loads(self.store.get(k)) for k in keys]
-            failed = [s for s in statuses if not s["ok"]]
-            if failed:
-                raise RuntimeError(f"worker rank {failed[0]['rank']}: {failed[0].get('error')}")
-            result.receive_seconds = max(s["receive_seconds"] for s in statuses)
-            result.total_bytes = statuses[0]["bytes"]
-
-            paused_at = time.perf_counter()
-            applying = True
-            await self._pause()
-            try:
-                apply_seconds = await self.engine.collective_rpc(
-                    "pr_apply", timeout=req.timeout_s, args=(req.version,)
-                )
-                await self.engine.update_weight_version(str(req.version))
-                if self.options.kv_after_update == "recompute":
-                    await self.engine.reset_prefix_cache(reset_running_requests=True)
-            finally:
-                await self._resume()
-            applying = False
-            result.pause_seconds = time.perf_counter() - paused_at
-            result.apply_seconds = max(apply_seconds)
-            self._publish_update(result)
-        except BaseException as e:
-            self._record_failed_update(result, e, partially_applied=applying)
-            try:
-                await self.engine.collective_rpc("pr_discard", timeout=30)
-            except Exception:
-                log.exception("discarding staged weights failed")
-            if isinstance(e, asyncio.CancelledError):
-                raise
-        finally:
-            self.pending = None
-            store = self.store
-            if store is not None:
-                await asyncio.to_thread(
-                    store.set, result_key(group_name, req.update_id, server_id), result.model_dump_json()
-                )
+    async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
+        # Every worker writes a WorkerReceipt once it staged all buckets (or failed); decoding went on.
+        keys = [received_key(self.group.group_name, req.update_id, r) for r in self.group.ranks]
+        await asyncio.to_thread(self.store.wait, keys, dt.timedelta(seconds=req.timeout_s))
+        receipts = [WorkerReceipt.model_validate_json(self.store.get(k)) for k in keys]
+        failed = [r for r in receipts if not r.ok]
+        if failed:
+            raise RuntimeError(f"worker rank {failed[0].rank}: {failed[0].error}")
+        result.receive_seconds = max(r.receive_seconds for r in receipts)
+        result.total_bytes = receipts[0].bytes
 
     async def _pause(self) -> None:
         # Straight to the engine core: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
         # orders log output; every millisecond here is a millisecond without decoding.
-        self.paused = True
         await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+    async def _apply(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
+        seconds = await self.engine.collective_rpc("pr_apply", timeout=req.timeout_s, args=(req.version,))
+        result.apply_seconds = max(seconds)
+
+    async def _set_version_label(self, version: int) -> None:
+        await self.engine.update_weight_version(str(version))
+
+    async def _reset_cache(self) -> None:
+        if self.options.kv_after_update == "recompute":
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
 
     async def _resume(self) -> None:
         await self.engine.resume_generation()
-        self.paused = False
 
-
-def _short(e: BaseException, limit: int = 400) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:limit]
+    async def _discard(self) -> None:
+        await self.engine.collective_rpc("pr_discard", timeout=30)

@@ -1,250 +1,44 @@
-"""The actor: turns this actor's shard of prompts into complete GRPO groups on the `rollouts` topic.
+"""The actor's loop: turns this actor's shard of prompts into complete GRPO groups on the `rollouts` topic.
 
-    pipeline-rl actor --config RUN/config.json --index 0          # what the launcher runs
     summary = await run_actor(cfg, actor_index=0, max_groups=16)  # tests and tools
 
-One asyncio loop per actor process talks to every inference server (`inference.urls`) over HTTP. For
-each prompt of `task.problems(shard_index=index, num_shards=num_actors, seed=actor.seed)` it samples
-`actor.attempts` completions (`actor.request_mode`: one chat request with n=attempts, or one request per
-sample), grades them (tasks.Grader, never on the event loop for slow graders), and writes ONE
-RolloutGroup once every sample is in. Nothing partial is ever written, so a group is written once.
-
-Routing: every request goes to the healthy server with the fewest requests in flight, never above
-`actor.max_in_flight_per_server`. A connection error, 5xx or timeout marks the server unhealthy (it is
-probed on /health every `actor.health_probe_interval_s`) and the request is retried on another one;
-its partial result is never used, so a sample is neither lost nor duplicated. No healthy server for
-`actor.all_servers_down_deadline_s` -> AllServersDown (main exits non-zero).
-
-Admission invariant (enforced before each group starts; docs/actor.md explains it at length):
-    G = trainer.batch_size / attempts        groups per optimizer step (weight version = steps done)
-    A = actor.num_actors, B = actor.max_buffered_groups, L = actor.max_lag
-    q = B if A == 1 else min(B // A, G*(L+1) // A, G*L // (A-1))   own share: most own groups in flight
-    R = (A-1) * q                            worst case of the other actors' groups in flight
-    W = rollouts.total_written() (+ own writes since it was read), F = own groups in flight
-    V = latest published WeightVersionEvent.version, V_floor = min(V, start version of own in-flight)
-    T = latest groups_consumed, D = sum over preprocessors of latest groups_dropped, C = T + D
-    start one more group only if   F + 1 <= q
-                              and  W + F + R + 1 - C <= B                       (bounded buffer)
-                              and  W + F + R + 1 - D <= G * (V_floor + L + 1)   (lag)
-With one actor, and groups trained in stream order, this guarantees for every group g started when
-the published version was V_g: (1) groups started but not consumed never exceed B; (2) g is trained
-at step s with (s - 1) - V_g <= L. The actor waits (deadline `actor.trainer_wait_deadline_s` without
-trainer progress), it never drops work.
+One asyncio loop per actor process talks to every inference server (`inference.urls`) over HTTP,
+through inference_shim.client (typed responses, checked against the contract). For each prompt of
+`task.problems(shard_index=index, num_shards=num_actors, seed=actor.seed)` it waits for the admission
+gate (pipeline_rl/actor/gate.py), samples `actor.attempts` completions (`actor.request_mode`: one chat
+request with n=attempts, or one request per sample) on the server the router picks
+(pipeline_rl/actor/router.py), grades them (tasks.Grader, never on the event loop for slow graders),
+and writes ONE RolloutGroup once every sample is in. Nothing partial is ever written, so a group is
+written once; a failed request is retried on another server and its partial result never used.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import signal
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import httpx
+from pydantic import ValidationError
 
 from inference_shim.client import AsyncShimClient, ShimError
-from inference_shim.protocol import VersionSpan
-from pipeline_rl.config import RunConfig, load_run_config
-from pipeline_rl.messages import (
-    PreprocessorProgress,
-    RolloutGroup,
-    Sample,
-    StatsRecord,
-    WeightVersionEvent,
-)
-from pipeline_rl.streams import (
-    ROLLOUTS,
-    STATS,
-    TRAINER_EVENTS,
-    StreamsError,
-    make_reader,
-    make_writer,
-)
+from inference_shim.protocol import ChatCompletionResponse, VersionSpan
+from pipeline_rl.actor.errors import ActorError, TrainerStalled
+from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
+from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
+from pipeline_rl.config import RunConfig
+from pipeline_rl.messages import RolloutGroup, Sample, StatsRecord
+from pipeline_rl.streams import ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
 from pipeline_rl.tasks import Grader, Problem, compute_reward, make_task
 
 logger = logging.getLogger("pipeline_rl.actor")
 
-_POLL_S = 0.25  # safety net of every event-driven wait: re-check state at least this often
+WAIT_REASONS = ("lag", "buffer")  # what gate_block can answer
 
 
-class ActorError(RuntimeError):
-    """The actor cannot go on; the message says what to check or change."""
-
-
-class AllServersDown(ActorError):
-    pass
-
-
-class TrainerStalled(ActorError):
-    pass
-
-
-# ----------------------------------------------------------------------------------------------------
-# Admission gate (pure: unit-tested without servers)
-# ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GateLimits:
-    groups_per_step: int  # G
-    max_lag: int  # L
-    max_buffered: int  # B
-    own_quota: int  # q
-    others_reserve: int  # R
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> GateLimits:
-        a = cfg.actor
-        groups_per_step = cfg.trainer.batch_size // a.attempts
-        n, b, lag = a.num_actors, a.max_buffered_groups, a.max_lag
-        # Several actors split both budgets evenly; G*L // (n-1) keeps enough lag room for the last
-        # group of a step even when every other actor holds its whole share (else: deadlock).
-        quota = (
-            b if n == 1 else min(b // n, groups_per_step * (lag + 1) // n, groups_per_step * lag // (n - 1))
-        )
-        if quota < 1:
-            raise ActorError(
-                f"{n} actors cannot share max_buffered_groups={b} with max_lag={lag} "
-                f"({groups_per_step} groups per step): each actor must reserve room for the others' "
-                "in-flight groups. Raise actor.max_lag / actor.max_buffered_groups or use one actor."
-            )
-        limits = cls(groups_per_step, lag, b, quota, (n - 1) * quota)
-        if b - limits.others_reserve < groups_per_step:
-            raise ActorError(
-                f"actor.max_buffered_groups={b} leaves fewer than one optimizer step ({groups_per_step} "
-                f"groups) to {n} actor(s): the trainer could never fill a batch. Raise it to at least "
-                f"{groups_per_step * n}."
-            )
-        return limits
-
-
-def gate_block(
-    limits: GateLimits, *, written: int, in_flight: int, consumed: int, dropped: int, version_floor: int
-) -> Literal["lag", "buffer"] | None:
-    """Why one more group may not start now (None: it may). See the module docstring for the rule."""
-    started = written + in_flight + limits.others_reserve + 1  # including the new group
-    if started - dropped > limits.groups_per_step * (version_floor + limits.max_lag + 1):
-        return "lag"
-    if in_flight + 1 > limits.own_quota or started - consumed > limits.max_buffered:
-        return "buffer"
-    return None
-
-
-@dataclass
-class TrainerProgress:
-    """What trainer_events says: the latest version and consumption (dropped groups count as consumed)."""
-
-    version: int = 0
-    groups_trained: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-
-    def apply(self, message: Any) -> None:
-        # Latest, not max: a trainer restored from a checkpoint rewinds both, and re-reads what follows.
-        if isinstance(message, WeightVersionEvent):
-            self.version, self.groups_trained = message.version, message.groups_consumed
-        elif isinstance(message, PreprocessorProgress):
-            self.dropped[message.preprocessor_id] = message.groups_dropped
-
-    @property
-    def groups_dropped(self) -> int:
-        return sum(self.dropped.values())
-
-    @property
-    def groups_consumed(self) -> int:
-        return self.groups_trained + self.groups_dropped
-
-
-# ----------------------------------------------------------------------------------------------------
-# Routing
-# ----------------------------------------------------------------------------------------------------
-@dataclass
-class Server:
-    index: int
-    url: str
-    client: AsyncShimClient
-    healthy: bool = True
-    in_flight: int = 0
-    assigned: int = 0
-    failures: int = 0
-
-
-class Router:
-    """Least-loaded choice among healthy servers under a per-server cap on requests in flight."""
-
-    def __init__(self, servers: list[Server], cap: int, all_down_deadline_s: float, slot_deadline_s: float):
-        self.servers = servers
-        self.cap = cap
-        self.all_down_deadline_s = all_down_deadline_s
-        self.slot_deadline_s = slot_deadline_s
-        self._changed = asyncio.Event()
-        self._all_down_since: float | None = None if any(s.healthy for s in servers) else time.monotonic()
-
-    def pick(self) -> Server | None:
-        candidates = [s for s in self.servers if s.healthy and s.in_flight < self.cap]
-        # Ties go to the server given the least work so far, so idle servers share the load evenly.
-        return min(candidates, key=lambda s: (s.in_flight, s.assigned), default=None)
-
-    async def acquire(self) -> Server:
-        waited_since = time.monotonic()
-        while True:
-            server = self.pick()
-            if server is not None:
-                server.in_flight += 1
-                server.assigned += 1
-                return server
-            now = time.monotonic()
-            if self._all_down_since is not None:
-                left = self._all_down_since + self.all_down_deadline_s - now
-                if left <= 0:
-                    raise AllServersDown(
-                        f"no inference server answered /health for {self.all_down_deadline_s:.0f}s "
-                        f"(actor.all_servers_down_deadline_s): {[s.url for s in self.servers]}. Check the "
-                        "servers' logs in the run directory and that inference.urls is right."
-                    )
-            else:
-                left = waited_since + self.slot_deadline_s - now
-                if left <= 0:
-                    raise ActorError(
-                        f"no request slot freed for {self.slot_deadline_s:.0f}s although every request has "
-                        "a timeout (actor.request_timeout_s): this is a bug in the actor's bookkeeping"
-                    )
-            self._changed.clear()  # no await since pick(): no release can slip in between
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(left, _POLL_S))
-
-    def release(self, server: Server) -> None:
-        server.in_flight -= 1
-        self._changed.set()
-
-    def mark_failed(self, server: Server, reason: str) -> None:
-        server.failures += 1
-        if server.healthy:
-            logger.warning("server %s marked unhealthy: %s", server.url, reason)
-        server.healthy = False
-        if self._all_down_since is None and not any(s.healthy for s in self.servers):
-            self._all_down_since = time.monotonic()
-            logger.error("every inference server is down; waiting up to %.0fs", self.all_down_deadline_s)
-        self._changed.set()
-
-    def mark_healthy(self, server: Server) -> None:
-        if not server.healthy:
-            logger.info("server %s is healthy again", server.url)
-        server.healthy = True
-        self._all_down_since = None
-        self._changed.set()
-
-
-def _retryable(err: Exception) -> bool:
-    """Errors another server may not have: transport failures, timeouts, 5xx. A 4xx is our bug."""
-    return isinstance(err, httpx.TransportError) or (isinstance(err, ShimError) and err.status >= 500)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Responses
-# ----------------------------------------------------------------------------------------------------
 @dataclass
 class Completion:
     prompt_token_ids: list[int]
@@ -256,47 +50,39 @@ class Completion:
     server: str
 
 
-def parse_chat_response(body: dict, n: int, server: str) -> list[Completion]:
-    """Completions of a chat response, checked against the contract (raises ActorError if broken)."""
+def completions_of(response: ChatCompletionResponse, n: int, server: str) -> list[Completion]:
+    """The response's choices as Completions. The typed response already checked what the contract
+    promises (spans tile the tokens, one logprob per token); this checks that the extensions the actor
+    asked for are there (raises ActorError)."""
 
     def broken(why: str) -> ActorError:
         return ActorError(f"{server} broke the inference contract ({why}); see docs/contract.md")
 
-    choices = body.get("choices") or []
-    if len(choices) != n:
-        raise broken(f"asked for n={n} choices, got {len(choices)}")
-    prompt_ids = body.get("prompt_token_ids")
-    if not prompt_ids:
+    if len(response.choices) != n:
+        raise broken(f"asked for n={n} choices, got {len(response.choices)}")
+    if not response.prompt_token_ids:
         raise broken("no prompt_token_ids")
     out = []
-    for choice in sorted(choices, key=lambda c: c["index"]):
-        ids = choice.get("token_ids")
-        content = (choice.get("logprobs") or {}).get("content")
-        if ids is None or content is None or len(content) != len(ids):
-            raise broken("token_ids and logprobs.content missing or of different lengths")
-        if choice.get("weight_versions") is None:
+    for choice in sorted(response.choices, key=lambda c: c.index):
+        content = choice.logprobs.content if choice.logprobs else None
+        if choice.token_ids is None or content is None:
+            raise broken("no token_ids or logprobs.content")
+        if choice.weight_versions is None:
             raise broken("no weight_versions: the server does not report per-token versions")
-        spans = [VersionSpan.model_validate(s) for s in choice["weight_versions"]]
-        edges = [0] + [e for s in spans for e in (s.start, s.end)] + [len(ids)]
-        if ids and (edges[0::2] != edges[1::2] or any(s.start >= s.end for s in spans)):
-            raise broken(f"weight_versions {spans} do not tile [0, {len(ids)})")
         out.append(
             Completion(
-                prompt_token_ids=list(prompt_ids),
-                token_ids=list(ids),
-                logprobs=[float(e["logprob"]) for e in content],
-                spans=spans,
-                finish_reason=choice.get("finish_reason") or "unknown",
-                text=(choice.get("message") or {}).get("content") or "",
+                prompt_token_ids=list(response.prompt_token_ids),
+                token_ids=choice.token_ids,
+                logprobs=[e.logprob for e in content],
+                spans=choice.weight_versions,
+                finish_reason=choice.finish_reason or "unknown",
+                text=choice.message.content or "",
                 server=server,
             )
         )
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
-# The actor
-# ----------------------------------------------------------------------------------------------------
 @dataclass
 class ActorSummary:
     groups_started: int = 0
@@ -305,10 +91,8 @@ class ActorSummary:
     tokens: int = 0
     retries: int = 0
     server_failures: int = 0
-    waits_lag: int = 0
-    waits_buffer: int = 0
-    wait_s_lag: float = 0.0
-    wait_s_buffer: float = 0.0
+    waits: Counter[str] = field(default_factory=Counter)  # reason -> times admission blocked on it
+    wait_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAIT_REASONS, 0.0))  # seconds
     elapsed_s: float = 0.0
     group_ids: list[str] = field(default_factory=list)
 
@@ -421,7 +205,7 @@ class Actor:
     async def _wait_wake(self) -> None:
         """Wait for `wake` (cleared by the caller BEFORE it read the state it decides on)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), _POLL_S)
+            await asyncio.wait_for(self.wake.wait(), POLL_S)
 
     # -- admission ----------------------------------------------------------------------------------
     async def _admit(self) -> tuple[int, float] | None:
@@ -450,14 +234,14 @@ class Actor:
             )
             now = time.monotonic()
             if reason != blocked and blocked is not None:
-                self._count_wait(blocked, now - blocked_since)
+                self.summary.wait_s[blocked] += now - blocked_since
             if reason is None:
                 self.summary.groups_started += 1
                 self.in_flight_versions[p.version] += 1
                 return p.version, time.time()
             if reason != blocked:
                 blocked, blocked_since = reason, now
-                setattr(self.summary, f"waits_{reason}", getattr(self.summary, f"waits_{reason}") + 1)
+                self.summary.waits[reason] += 1
             state = (p.version, p.groups_consumed, self.summary.groups_written)
             if state != seen:
                 seen, last_progress = state, now
@@ -469,12 +253,8 @@ class Actor:
                 )
             await self._wait_wake()
         if blocked is not None:
-            self._count_wait(blocked, time.monotonic() - blocked_since)
+            self.summary.wait_s[blocked] += time.monotonic() - blocked_since
         return None
-
-    def _count_wait(self, reason: str, seconds: float) -> None:
-        name = f"wait_s_{reason}"
-        setattr(self.summary, name, getattr(self.summary, name) + seconds)
 
     # -- one group ----------------------------------------------------------------------------------
     async def _run_group(self, problem: Problem, start_version: int, started_at: float) -> None:
@@ -530,7 +310,7 @@ class Actor:
         while True:
             server = await self.router.acquire()
             try:
-                body = await server.client.chat(
+                response = await server.client.chat(
                     messages,
                     n=n,
                     max_tokens=a.max_tokens,
@@ -539,9 +319,13 @@ class Actor:
                     logprobs=True,
                 )
             except Exception as err:
-                if not _retryable(err):
+                if not retryable(err):
                     if isinstance(err, ShimError):
                         raise ActorError(f"request refused, retrying cannot help: {err}") from err
+                    if isinstance(err, ValidationError):
+                        raise ActorError(
+                            f"{server.url} broke the inference contract ({err}); see docs/contract.md"
+                        ) from err
                     raise
                 self.router.mark_failed(server, f"{type(err).__name__}: {err}")
                 self.probe_now.set()
@@ -556,7 +340,7 @@ class Actor:
                 continue
             finally:
                 self.router.release(server)
-            return parse_chat_response(body, n, server.url)
+            return completions_of(response, n, server.url)
 
     # -- background ---------------------------------------------------------------------------------
     async def _read_events(self, reader, block_s: float) -> None:
@@ -628,14 +412,13 @@ class Actor:
             "groups_started": s.groups_started,
             "groups_written": s.groups_written,
             "groups_in_flight": sum(self.in_flight_versions.values()),
-            "waits_lag": s.waits_lag,
-            "waits_buffer": s.waits_buffer,
-            "wait_s_lag": s.wait_s_lag,
-            "wait_s_buffer": s.wait_s_buffer,
             "retries": s.retries,
             "server_failures": s.server_failures,
             "healthy_servers": sum(srv.healthy for srv in self.router.servers),
         }
+        for reason in WAIT_REASONS:
+            values[f"waits_{reason}"] = s.waits[reason]
+            values[f"wait_s_{reason}"] = s.wait_s[reason]
         for srv in self.router.servers:
             values[f"in_flight_server{srv.index}"] = srv.in_flight
             values[f"failures_server{srv.index}"] = srv.failures
@@ -653,37 +436,3 @@ async def run_actor(
     is written before returning). Raises ActorError (AllServersDown, TrainerStalled, ...) or StreamsError."""
     actor = Actor(cfg, actor_index, stop or asyncio.Event(), max_groups)
     return await actor.run()
-
-
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="pipeline-rl actor", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="RUN/config.json written by the launcher")
-    parser.add_argument("--index", type=int, required=True, help="this actor's shard, 0..num_actors-1")
-    parser.add_argument("--max-groups", type=int, default=None, help="stop after this many groups")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    cfg = load_run_config(args.config)
-
-    async def run() -> ActorSummary:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        return await run_actor(cfg, args.index, stop=stop, max_groups=args.max_groups)
-
-    try:
-        summary = asyncio.run(run())
-    except (ActorError, StreamsError) as err:
-        raise SystemExit(f"actor{args.index}: {type(err).__name__}: {err}") from None
-    logger.info(
-        "actor%d done: %d groups, %d samples in %.1fs",
-        args.index,
-        summary.groups_written,
-        summary.samples,
-        summary.elapsed_s,
-    )
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline_rl.paths import REPO_ROOT
+
 ARTIFACTS = REPO_ROOT / "artifacts"
 DEFAULT_DOC = REPO_ROOT / "docs" / "benchmarks.md"
 DEFAULT_IMG_DIR = REPO_ROOT / "docs" / "img"

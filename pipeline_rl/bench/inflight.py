@@ -73,7 +73,9 @@ class Pusher:
     async def _answer(self) -> dict:
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout=600)
         if not line:
-            raise RuntimeError(f"pipeline_rl.bench.pusher exited with {await self.proc.wait()} (see its stderr above)")
+            raise RuntimeError(
+                f"pipeline_rl.bench.pusher exited with {await self.proc.wait()} (see its stderr above)"
+            )
         return json.loads(line)
 
     async def run(self, every_s: float, duration_s: float) -> list[dict]:

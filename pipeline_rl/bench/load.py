@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import random
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from inference_shim.client import AsyncShimClient, ShimError
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:
@@ -71,33 +72,33 @@ class ClosedLoop:
     def stop(self) -> None:
         self._stop.set()
 
-    def _body(self) -> dict:
+    def _request(self) -> tuple[list[dict], dict]:
+        """The next request: (messages, sampling parameters)."""
         prompt = self._prompts[self._issued % len(self._prompts)]
         self._issued += 1
-        return {
+        params = {
             "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
             "max_tokens": self.max_tokens,
             "ignore_eos": True,
             "temperature": self.temperature,
             "logprobs": self.logprobs,
-            "stream": self.stream,
         }
+        return [{"role": "user", "content": prompt}], params
 
     async def run(self) -> None:
-        limits = httpx.Limits(
-            max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8
-        )
-        async with httpx.AsyncClient(base_url=self.url, timeout=600.0, limits=limits) as client:
+        client = AsyncShimClient(self.url, timeout_s=600.0)
+        try:
             await asyncio.gather(*(self._worker(client, i) for i in range(self.concurrency)))
+        finally:
+            await client.aclose()
 
-    async def _worker(self, client: httpx.AsyncClient, index: int) -> None:
+    async def _worker(self, client: AsyncShimClient, index: int) -> None:
         await asyncio.sleep(self.ramp_s * index / self.concurrency)
         while not self._stop.is_set():
             start = time.monotonic()
             try:
                 tokens = await (self._streamed(client) if self.stream else self._plain(client))
-            except (httpx.HTTPError, ValueError, KeyError) as e:
+            except (httpx.HTTPError, ShimError, ValueError) as e:
                 cause = e.__cause__ or e.__context__
                 detail = f" (from {type(cause).__name__}: {cause})" if cause else ""
                 self.errors.append(f"{type(e).__name__}: {e}{detail} after {time.monotonic() - start:.2f} s")
@@ -105,34 +106,32 @@ class ClosedLoop:
                 continue
             self.completed.append(Completed(start, time.monotonic(), tokens))
 
-    async def _plain(self, client: httpx.AsyncClient) -> int:
-        response = await client.post("/v1/chat/completions", json=self._body())
-        response.raise_for_status()
-        return int(response.json()["usage"]["completion_tokens"])
+    async def _plain(self, client: AsyncShimClient) -> int:
+        messages, params = self._request()
+        response = await client.chat(messages, **params)
+        if response.usage is None:
+            raise ValueError("the response has no usage")
+        return response.usage.completion_tokens
 
-    async def _streamed(self, client: httpx.AsyncClient) -> int:
+    async def _streamed(self, client: AsyncShimClient) -> int:
         total, last = 0, None
-        async with client.stream("POST", "/v1/chat/completions", json=self._body()) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.monotonic()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise ValueError(f"in-band error: {chunk['error']}")
-                choice = chunk["choices"][0]
-                # The shim sends token_ids per chunk; a server without them sends one token per chunk.
-                n = len(choice.get("token_ids") or ()) or (1 if choice.get("delta", {}).get("content") else 0)
-                if n == 0:
-                    continue
-                self.chunk_times.append(now)
-                self.chunk_tokens.append(n)
-                if last is not None:
-                    self.gap_times.append(now)
-                    self.gap_values.append(now - last)
-                last = now
-                total += n
+        messages, params = self._request()
+        async for chunk in client.chat_stream(messages, **params):
+            now = time.monotonic()
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            # The shim sends token_ids per chunk; a server without them sends one token per chunk.
+            n = len(choice.token_ids or ()) or (1 if choice.delta.content else 0)
+            if n == 0:
+                continue
+            self.chunk_times.append(now)
+            self.chunk_tokens.append(n)
+            if last is not None:
+                self.gap_times.append(now)
+                self.gap_values.append(now - last)
+            last = now
+            total += n
         return total
 
     # ------------------------------------------------------------------ windows
@@ -161,7 +160,8 @@ class ClosedLoop:
 
 
 async def served_model(url: str) -> str:
-    async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
-        response = await client.get("/v1/models")
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
+    client = AsyncShimClient(url)
+    try:
+        return (await client.models())[0]
+    finally:
+        await client.aclose()

@@ -19,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from pipeline_rl.bench.models import load_named_tensors
 from inference_shim.weight_sender import WeightSender
+from pipeline_rl.bench.models import load_named_tensors
+from pipeline_rl.bench.servers import served_version
 
 
 def _run(
@@ -71,7 +70,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     named = load_named_tensors(args.model)
-    version = max(httpx.get(f"{u}/debug/state", timeout=10).json()["weight_version"] for u in args.url)
+    version = served_version(args.url)
     sender = WeightSender(args.url, bucket_bytes=args.bucket_mib * 2**20, timeout_s=300)
     sender.connect()
     try:

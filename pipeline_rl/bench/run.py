@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads of the pushing process (default: half the cores, as pipeline_rl/launch/ gives a trainer)",
     )
     g = p.add_argument_group("weight-sync")
-    g.add_argument("--sizes", default=None, help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py)")
+    g.add_argument(
+        "--sizes", default=None, help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py)"
+    )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
     g = p.add_argument_group("inflight, streams, shim")
     g.add_argument(
@@ -194,7 +196,9 @@ def _prestart(ctx: BenchContext, names: list[str]) -> None:
 
     for name in names if ctx.quick else names[:1]:
         try:
-            needed = importlib.import_module(f"bench.{name.replace('-', '_')}").servers_needed(ctx)
+            needed = importlib.import_module(f"pipeline_rl.bench.{name.replace('-', '_')}").servers_needed(
+                ctx
+            )
         except Exception as e:  # noqa: BLE001 - the benchmark itself will fail and report it
             ctx.log(f"not prestarting servers for {name}: {type(e).__name__}: {e}")
             continue

@@ -1,4 +1,4 @@
-"""Start and stop REAL inference servers for benchmarks: our shim (`pipeline-rl serve`) and, as the
+"""Start and stop REAL inference servers for benchmarks: our shim (`python -m inference_shim`) and, as the
 baseline, vLLM's own OpenAI server on the same model.
 
     pool = ServerPool(log_dir)
@@ -8,35 +8,32 @@ baseline, vLLM's own OpenAI server on the same model.
     pool.release(model_dir)     # free the memory of a big model's servers before the next one
     pool.close()
 
-Each server runs in its own process session so teardown kills the whole tree (API process, EngineCore,
-workers). The process helpers (free_port, wait_healthy, own_core, stop_process_tree) are shared with
-tests/integration/_servers.py, which imports them from here.
+Each server runs in its own process session (inference_shim.procs) so teardown kills the whole tree
+(API process, EngineCore, workers), and it dies with a benchmark process that is killed hard.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import httpx
-
-from inference_shim.process_tree import stop_process_tree  # noqa: F401 (re-exported)
+from inference_shim.client import ShimClient
+from inference_shim.procs import (
+    free_port,
+    log_tail,
+    own_core,
+    serve_argv,
+    start_child,
+    stop_process_tree,
+    wait_healthy,
+)
 
 START_DEADLINE_S = 300.0
 PORT_ATTEMPTS = 3  # a picked free port can be taken by another process before the server binds it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_env() -> dict[str, str]:
@@ -44,52 +41,6 @@ def engine_env() -> dict[str, str]:
     from pipeline_rl.cli import ENGINE_ENV_DEFAULTS
 
     return {**ENGINE_ENV_DEFAULTS, **os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def start_process(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start cmd in a new session with stdout+stderr to log_path; stop it with stop_process_tree."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")  # noqa: SIM115 - the child holds it; closed when we drop the handle
-    try:
-        return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env or engine_env()
-        )
-    finally:
-        log.close()
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def wait_healthy(
-    url: str, proc: subprocess.Popen, log_path: Path, deadline_s: float = START_DEADLINE_S
-) -> None:
-    """Poll GET url/health until 200; raise with the log's tail if the process dies or the deadline passes."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"server exited with {proc.returncode} during startup; log:\n{log_tail(log_path)}"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {url} not healthy after {deadline_s:.0f}s; log:\n{log_tail(log_path)}")
-
-
-def own_core(index: int) -> dict[str, str]:
-    """Environment that binds server `index`'s vLLM-CPU worker to a core of its own (round robin).
-
-    vLLM's automatic binding puts every server's worker on the same core, where one starves the other
-    (finding F4 in docs/benchmarks.md).
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
 
 
 @dataclass(frozen=True)
@@ -113,23 +64,14 @@ class ServerSpec:
         return env
 
     def command(self, port: int) -> list[str]:
-        common = ["--port", str(port), "--max-model-len", str(self.max_model_len)]
-        common += ["--max-num-seqs", str(self.max_num_seqs), "--dtype", "float32", "--seed", "0"]
+        common = ["--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
+        common += ["--dtype", "float32", "--seed", "0"]
         if self.kind == "shim":
-            cli = [sys.executable, "-m", "pipeline_rl.cli", "serve", "--model", str(self.model)]
-            return [*cli, *common, *self.extra]
-        return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model),
-            "--host",
-            "127.0.0.1",
-            "--enforce-eager",
-            *common,
-            *self.extra,
-        ]
+            return serve_argv(self.model, port, extra=(*common, *self.extra))
+        # The baseline: vLLM's own OpenAI server, same engine settings.
+        vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        vllm += ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(port), "--enforce-eager"]
+        return [*vllm, *common, *self.extra]
 
 
 @dataclass
@@ -158,7 +100,8 @@ class ServerPool:
     def _start(self, spec: ServerSpec, index: int) -> _Running:
         port = free_port()
         log_path = self.log_dir / f"{spec.kind}-{spec.model.name}-{index}.log"
-        proc = start_process(spec.command(port), log_path, spec.environment(index))
+        # A fresh log per start: the lost-port check below must read this start's log only.
+        proc = start_child(spec.command(port), spec.environment(index), log_path, append_log=False)
         server = _Running(spec, index, f"http://127.0.0.1:{port}", proc, log_path)
         self._running[(spec, index)] = server
         return server
@@ -174,7 +117,7 @@ class ServerPool:
                 if server.healthy:
                     break
                 try:
-                    wait_healthy(server.url, server.proc, server.log_path)
+                    wait_healthy(server.url, START_DEADLINE_S, server.proc, server.log_path)
                     server.healthy = True
                 except RuntimeError:
                     # The port was free when we picked it; on a shared machine another process may
@@ -208,3 +151,15 @@ class ServerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def served_version(urls: list[str]) -> int:
+    """The newest weight version any of these servers serves (its /debug/state, through the client)."""
+    versions = []
+    for url in urls:
+        client = ShimClient(url, timeout_s=10)
+        try:
+            versions.append(client.debug_state().weight_version)
+        finally:
+            client.close()
+    return max(versions)

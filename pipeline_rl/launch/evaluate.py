@@ -31,9 +31,9 @@ async def _evaluate(
     async def one(problem) -> tuple[str, int]:
         async with limit:
             response = await client.chat(problem.messages, max_tokens=max_tokens, temperature=0.0)
-        choice = response["choices"][0]
-        versions = {span["version"] for span in choice.get("weight_versions") or []}
-        return task.grade(problem, choice["message"]["content"]), max(versions, default=-1)
+        choice = response.choices[0]
+        versions = {span.version for span in choice.weight_versions or []}
+        return task.grade(problem, choice.message.content or ""), max(versions, default=-1)
 
     try:
         results = await asyncio.gather(*(one(p) for p in problems))

@@ -26,20 +26,20 @@ from pathlib import Path
 
 import httpx
 
-from pipeline_rl.launch.compose import ConfigError, compose
-from pipeline_rl.launch.processes import Child, ChildFailed, ProcessSpec, stop_all, wait_healthy, write_command_file
+from inference_shim.procs import free_port, serve_argv
 from pipeline_rl.config import RunConfig
+from pipeline_rl.launch.compose import ConfigError, compose
+from pipeline_rl.launch.processes import (
+    Child,
+    ChildFailed,
+    ProcessSpec,
+    stop_all,
+    wait_all_healthy,
+    write_command_file,
+)
 
 ROLES = ("redis", "servers", "trainer", "preprocessors", "actors")
 PY = sys.executable
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -81,28 +81,13 @@ def plan(cfg: RunConfig, run_dir: Path, roles: set[str]) -> list[ProcessSpec]:
             env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} if cores else {}
             if cfg.inference.weight_transport == "nccl":
                 env["CUDA_VISIBLE_DEVICES"] = str(i)
-            argv = [
-                PY,
-                "-m",
-                "pipeline_rl.cli",
-                "serve",
-                "--backend",
-                cfg.inference.backend,
-                "--model",
-                cfg.model_path,
-            ]
-            argv += [
-                "--port",
-                str(port),
-                "--dtype",
-                cfg.inference.dtype,
-                "--max-model-len",
-                str(cfg.inference.max_model_len),
-            ]
-            argv += ["--max-num-seqs", str(cfg.inference.max_num_seqs), "--seed", str(cfg.seed + i)]
-            argv += ["--kv-after-update", cfg.inference.kv_after_update]
+            engine = ["--dtype", cfg.inference.dtype, "--max-model-len", str(cfg.inference.max_model_len)]
+            engine += ["--max-num-seqs", str(cfg.inference.max_num_seqs), "--seed", str(cfg.seed + i)]
+            engine += ["--kv-after-update", cfg.inference.kv_after_update]
+            argv = serve_argv(cfg.model_path, port, backend=cfg.inference.backend, extra=engine)
+            # The token travels in the environment, not in argv, where any user could read it with ps.
             env["PIPELINE_RL_TOKEN"] = cfg.inference.token or ""
-            specs.append(ProcessSpec(f"server{i}", "servers", argv, env, cores, port, f"{url}/health"))
+            specs.append(ProcessSpec(f"server{i}", "servers", argv, env, cores, port, url))
     if "trainer" in roles:
         cores = placement.get("trainer")
         env = {"OMP_NUM_THREADS": str(len(cores))} if cores else {}
@@ -186,7 +171,7 @@ class Launcher:
             specs = self._prepare(env, status_port)
             by_role = {role: [s for s in specs if s.role == role] for role in ROLES}
             self._start(by_role["servers"], env)
-            wait_healthy(self.children, self.cfg.inference.startup_timeout_s)
+            wait_all_healthy(self.children, self.cfg.inference.startup_timeout_s)
             if self._interrupted():
                 return 130
             if by_role["servers"] and by_role["actors"]:

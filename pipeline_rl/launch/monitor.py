@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from inference_shim.client import ShimClient, ShimError
 from pipeline_rl.config import RunConfig
 from pipeline_rl.messages import PreprocessorProgress, StatsRecord, WeightVersionEvent
 from pipeline_rl.streams import STATS, TRAINER_EVENTS, make_reader
@@ -60,10 +61,13 @@ class RunMonitor:
 
     def poll_servers(self, urls: list[str]) -> None:
         for url in urls:
+            client = ShimClient(url, timeout_s=2.0)
             try:
-                health = httpx.get(f"{url}/health", timeout=2.0).json()
-            except (httpx.HTTPError, ValueError) as e:
+                health = client.health().model_dump()
+            except (httpx.HTTPError, ShimError, ValueError) as e:
                 health = {"status": "unreachable", "detail": str(e)}
+            finally:
+                client.close()
             with self._lock:
                 self.server_health[url] = health
 

@@ -1,14 +1,13 @@
 """Child processes of a run: how each is described, started, watched and stopped.
 
-Every child gets its own process session, so stopping it (SIGTERM, then SIGKILL after a grace period)
-reaches everything it spawned — vLLM's EngineCore and worker processes, accelerate's ranks — and leaves
-no orphan. Each child's command is also written as a re-runnable shell script under <run_dir>/cmd/.
+The mechanics live in inference_shim.procs: every child gets its own process session, so stopping it
+(SIGTERM, then SIGKILL after a grace period) reaches everything it spawned — vLLM's EngineCore and
+worker processes, accelerate's ranks — and leaves no orphan, and it dies with a launcher killed hard.
+Each child's command is also written as a re-runnable shell script under <run_dir>/cmd/.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shlex
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from inference_shim import procs
 
 # Variables that make a command reproducible; only these are written into the command files.
 _RECORDED_ENV_PREFIXES = (
@@ -38,7 +37,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     cores: list[int] | None = None
     port: int | None = None
-    health_url: str | None = None
+    url: str | None = None  # base URL of a server; the launcher waits for its /health
 
     def full_argv(self) -> list[str]:
         if self.cores:
@@ -59,11 +58,8 @@ class Child:
 
     def start(self, base_env: dict[str, str]) -> None:
         env = dict(base_env, **self.spec.env, PYTHONUNBUFFERED="1")
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        self.proc = subprocess.Popen(
-            self.spec.full_argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
+        # Appended: a resumed run keeps the earlier runs' output in the same log.
+        self.proc = procs.start_child(self.spec.full_argv(), env=env, log_path=self.log_path)
         self.started_at = time.monotonic()
 
     def poll(self) -> int | None:
@@ -75,8 +71,7 @@ class Child:
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
+            procs.signal_group(self.proc, sig)
 
     def wait(self, timeout_s: float) -> bool:
         if self.proc is None:
@@ -88,11 +83,7 @@ class Child:
             return False
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
+        return procs.log_tail(self.log_path, lines)
 
 
 def write_command_file(spec: ProcessSpec, env: dict[str, str], path: Path) -> None:
@@ -113,33 +104,29 @@ def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
     for child in children:
         if child.alive:
             child.signal(signal.SIGTERM)
+    # They stop in parallel: each gets what is left of the shared grace, then its group is SIGKILLed.
     deadline = time.monotonic() + grace_s
     for child in children:
-        child.wait(max(0.0, deadline - time.monotonic()))
-    for child in children:
-        # Even an exited leader may leave members of its group behind (engine workers): kill the group.
-        child.signal(signal.SIGKILL)
-        child.wait(5.0)
+        if child.proc is not None:
+            procs.stop_process_tree(child.proc, grace_s=max(0.0, deadline - time.monotonic()))
 
 
-def wait_healthy(children: list[Child], deadline_s: float) -> None:
-    """Wait until every child with a health URL answers 200; raise naming the first that died or is late."""
+def wait_all_healthy(children: list[Child], deadline_s: float) -> None:
+    """Wait until every child with a URL answers /health; raise naming the first that died or is late.
+
+    The children start together, so waiting for them in turn costs no time; a later child that dies
+    early is named once the earlier ones are up (or late).
+    """
     deadline = time.monotonic() + deadline_s
-    pending = [c for c in children if c.spec.health_url]
-    while pending:
-        for child in list(pending):
-            code = child.poll()
-            if code is not None:
-                raise ChildFailed(child, f"exited with code {code} while starting")
-            try:
-                if httpx.get(child.spec.health_url, timeout=2.0).status_code == 200:
-                    pending.remove(child)
-            except httpx.HTTPError:
-                pass
-        if pending and time.monotonic() > deadline:
-            raise ChildFailed(pending[0], f"not healthy after {deadline_s:.0f}s")
-        if pending:
-            time.sleep(0.5)
+    for child in children:
+        if child.spec.url is None or child.proc is None:
+            continue
+        try:
+            procs.wait_healthy(child.spec.url, max(0.0, deadline - time.monotonic()), child.proc)
+        except RuntimeError:
+            raise ChildFailed(child, f"exited with code {child.poll()} while starting") from None
+        except TimeoutError:
+            raise ChildFailed(child, f"not healthy after {deadline_s:.0f}s") from None
 
 
 class ChildFailed(RuntimeError):

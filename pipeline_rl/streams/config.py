@@ -3,8 +3,10 @@
 `StreamsConfig` is the typed config block (`streams:` in the YAML). Topic and group names are checked
 here once, because the files backend turns them into paths and Redis into keys.
 
-    cfg = StreamsConfig(backend="redis", redis_url="redis://127.0.0.1:6390/0", run_name="exp1")
+    cfg = StreamsConfig(backend="redis", redis_url="redis://:PASSWORD@127.0.0.1:6390/0", run_name="exp1")
     cfg = StreamsConfig(backend="files", files_dir="runs/exp1/streams")
+
+A Redis URL may carry a password; print or log it only through `redact_url`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,6 +28,17 @@ DEAD_LETTER = "dead_letter"
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.@:-]*"
 _TOPIC_RE = re.compile(rf"{_NAME}(/{_NAME})*")
 _NAME_RE = re.compile(_NAME)
+
+
+def redact_url(url: str, mask: str = "***") -> str:
+    """`url` with its password replaced by `mask` (mask "": user and password removed), for logs and
+    messages; a URL without a password comes back unchanged."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    userinfo = f"{parts.username or ''}:{mask}@" if mask else ""
+    return urlunsplit(parts._replace(netloc=userinfo + host))
 
 
 def training_partition(rank: int) -> str:
@@ -62,7 +76,13 @@ class StreamsConfig(BaseModel):
     )
     redis_url: str | None = Field(
         default=None,
-        description="e.g. 'redis://127.0.0.1:6390/0'. Unset: the launcher starts a private redis-server.",
+        description="e.g. 'redis://:PASSWORD@127.0.0.1:6390/0'. Unset: the launcher starts a private "
+        "redis-server with a generated password.",
+    )
+    redis_bind: str = Field(
+        default="127.0.0.1",
+        description="Address the launcher's private redis-server listens on; this node's cluster address "
+        "only when processes on other nodes use it.",
     )
     files_dir: Path | None = Field(
         default=None, description="Root directory of the files backend; required when backend='files'."

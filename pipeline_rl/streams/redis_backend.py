@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pipeline_rl.streams.base import RawEntry, StreamsError, StreamsUnavailable, TopicStore
-from pipeline_rl.streams.config import StreamsConfig, check_topic
+from pipeline_rl.streams.config import StreamsConfig, check_topic, redact_url
 
 logger = logging.getLogger("pipeline_rl.streams")
 
@@ -91,7 +91,7 @@ class RedisTopicStore(TopicStore):
             )
         self.topic = check_topic(topic)
         self._cfg = cfg
-        self._url = cfg.redis_url
+        self._url = redact_url(cfg.redis_url)  # for messages and logs only: never print the password
         self._key = f"{cfg.run_name}:{topic}"
         self._r = redis_client(cfg.redis_url, cfg.op_timeout_s)
         self.max_block_s = cfg.op_timeout_s - 1.0
@@ -106,6 +106,13 @@ class RedisTopicStore(TopicStore):
         while True:
             try:
                 return fn(*args, **kwargs)
+            except redis.AuthenticationError as err:
+                # A subclass of ConnectionError in redis-py, but waiting cannot fix a wrong password.
+                raise StreamsError(
+                    f"Redis at {self._url} refused our credentials during {what} on topic {self.topic!r}: "
+                    f"{err}. streams.redis_url needs the server's password (redis://:PASSWORD@host:port/0); "
+                    "children of a launched run read it from the run's secrets file."
+                ) from None
             except (redis.ConnectionError, redis.TimeoutError) as err:
                 now = time.monotonic()
                 if deadline is None:

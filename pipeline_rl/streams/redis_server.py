@@ -1,27 +1,29 @@
 """Start and stop a private redis-server on a free loopback port (tests, and the launcher).
 
-    with RedisServer() as server:                 # 127.0.0.1, a free port, no persistence, temp dir
-        cfg = StreamsConfig(redis_url=server.url)
+    with RedisServer() as server:                 # 127.0.0.1, a free port, a password, no persistence
+        cfg = StreamsConfig(redis_url=server.url)  # redis://:PASSWORD@127.0.0.1:PORT/0
         ...
     server = RedisServer(data_dir="runs/x/redis", persist=True).start()   # append-only file in data_dir
-    server.stop(); server.start()                 # a restart keeps the port, so clients reconnect
+    server.stop(); server.start()                 # a restart keeps the port and password: clients reconnect
 
-The server binds 127.0.0.1 only and never a fixed port (the machine may be shared). start() waits for
+The server binds 127.0.0.1 only (or `host`) and never a fixed port (the machine may be shared), and it
+requires a password (generated unless given): any local user can reach a loopback port. The password
+reaches redis-server through its config file (mode 0600, in a 0700 directory), never through argv,
+which every user can read in /proc. `url` carries it; print `safe_url`. start() waits for
 PING with a deadline and raises with the tail of the server's log if it does not come up; stop() sends
-SHUTDOWN and falls back to terminate/kill. With die_with_parent (Linux, the default) the kernel stops the server when the THREAD that called
-start() exits (PR_SET_PDEATHSIG), so a crashed parent leaves no server behind on a shared machine: call
-start() from the main thread or another thread that lives as long as the server should.
+SHUTDOWN and falls back to SIGTERM/SIGKILL. The process mechanics are inference_shim.procs: with
+die_with_parent (Linux, the default) the kernel stops the server when the THREAD that called start()
+exits (PR_SET_PDEATHSIG), so a crashed parent leaves no server behind on a shared machine: call start()
+from the main thread or another thread that lives as long as the server should.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
+import secrets
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,33 +32,23 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from inference_shim.procs import free_port, log_tail, start_child, stop_process_tree
+from pipeline_rl.streams.config import redact_url
+
 logger = logging.getLogger("pipeline_rl.streams")
 
-_PR_SET_PDEATHSIG = 1
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the caller must cope with losing a race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _client(port: int, timeout_s: float) -> redis.Redis:
+def _client(host: str, port: int, password: str, timeout_s: float) -> redis.Redis:
     # No client-side retries: redis-py's default backoff would turn a refused PING or the connection
     # that SHUTDOWN closes into seconds of sleeping.
     return redis.Redis(
-        host="127.0.0.1",
+        host=host,
         port=port,
+        password=password,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
     )
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class RedisServer:
@@ -70,14 +62,19 @@ class RedisServer:
         startup_timeout_s: float = 10.0,
         executable: str = "redis-server",
         die_with_parent: bool = True,
+        host: str = "127.0.0.1",
+        password: str | None = None,
     ) -> None:
         if persist and data_dir is None:
             raise ValueError("RedisServer(persist=True) needs data_dir: where the append-only file lives")
         self.port = port
+        self.host = host
+        # Hex: safe in a URL and in redis.conf without quoting.
+        self.password = password or secrets.token_hex(24)
         self.persist = persist
         self.startup_timeout_s = startup_timeout_s
         self._executable = executable
-        self._die_with_parent = die_with_parent and sys.platform.startswith("linux")
+        self._die_with_parent = die_with_parent
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._temp_dir: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -86,7 +83,12 @@ class RedisServer:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("RedisServer has no port yet: call start() first")
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
+    @property
+    def safe_url(self) -> str:
+        """`url` without the password, for messages and logs."""
+        return redact_url(self.url)
 
     @property
     def running(self) -> bool:
@@ -98,28 +100,32 @@ class RedisServer:
 
     def _dir(self) -> Path:
         if self._data_dir is not None:
+            # 0700: it holds the password (redis.conf) and the streams' data (the append-only file).
             self._data_dir.mkdir(parents=True, exist_ok=True)
+            self._data_dir.chmod(0o700)
             return self._data_dir
         if self._temp_dir is None:
             self._temp_dir = tempfile.mkdtemp(prefix="pipeline-rl-redis-")
         return Path(self._temp_dir)
 
     def _args(self, port: int) -> list[str]:
-        args = [
-            self._executable,
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--protected-mode", "yes",
-            "--daemonize", "no",
-            "--dir", str(self._dir()),
-            "--logfile", str(self.log_path),
-            "--save", "",
-        ]  # fmt: skip
+        """Write redis.conf (0600; it holds the password) and return the argv that names it."""
+        settings = {
+            "port": str(port),
+            "bind": self.host,
+            "protected-mode": "yes",
+            "requirepass": self.password,
+            "daemonize": "no",
+            "dir": f'"{self._dir()}"',
+            "logfile": f'"{self.log_path}"',
+            "save": '""',
+            "appendonly": "yes" if self.persist else "no",
+        }
         if self.persist:
-            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
-        else:
-            args += ["--appendonly", "no"]
-        return args
+            settings["appendfsync"] = "everysec"
+        conf = self._dir() / "redis.conf"
+        write_private(conf, "".join(f"{key} {value}\n" for key, value in settings.items()))
+        return [self._executable, str(conf)]
 
     def start(self) -> RedisServer:
         """Start the server (no-op if running) and wait until it answers PING."""
@@ -133,30 +139,27 @@ class RedisServer:
         # A port picked by us may be taken between probing and binding: try a few fresh ones.
         attempts = 1 if self.port is not None else 3
         for attempt in range(attempts):
-            port = self.port if self.port is not None else free_port()
-            self._proc = subprocess.Popen(
-                self._args(port),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent if self._die_with_parent else None,
+            port = self.port if self.port is not None else free_port(self.host)
+            # Its own log is --logfile; anything printed before that is parsed is dropped.
+            self._proc = start_child(
+                self._args(port), log_path=os.devnull, die_with_parent=self._die_with_parent
             )
             if self._wait_ready(port):
                 self.port = port
-                logger.info("streams: redis-server pid %d on %s", self._proc.pid, f"127.0.0.1:{port}")
+                logger.info("streams: redis-server pid %d on %s", self._proc.pid, f"{self.host}:{port}")
                 return self
-            in_use = "Address already in use" in self._log_tail()
+            in_use = "Address already in use" in log_tail(self.log_path)
             self._kill()
             if not in_use or attempt == attempts - 1:
                 raise RuntimeError(
-                    f"redis-server did not answer PING on 127.0.0.1:{port} within {self.startup_timeout_s}s; "
-                    f"its log ({self.log_path}) ends with:\n{self._log_tail()}"
+                    f"redis-server did not answer PING on {self.host}:{port} within {self.startup_timeout_s}s; "
+                    f"its log ({self.log_path}) ends with:\n{log_tail(self.log_path)}"
                 )
         raise AssertionError("unreachable")
 
     def _wait_ready(self, port: int) -> bool:
         deadline = time.monotonic() + self.startup_timeout_s
-        client = _client(port, 1.0)
+        client = _client(self.host, port, self.password, 1.0)
         try:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.poll() is not None:
@@ -174,18 +177,12 @@ class RedisServer:
         finally:
             client.close()
 
-    def _log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except FileNotFoundError:
-            return "(no log)"
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """SHUTDOWN (NOSAVE unless persisting) and wait; terminate/kill if it does not exit in time."""
         if self._proc is None:
             return
         if self._proc.poll() is None and self.port is not None:
-            client = _client(self.port, 2.0)
+            client = _client(self.host, self.port, self.password, 2.0)
             try:
                 client.shutdown(nosave=not self.persist)
             except redis.RedisError as err:  # the server closes the socket as it exits; other errors too
@@ -201,13 +198,7 @@ class RedisServer:
     def _kill(self) -> None:
         if self._proc is None:
             return
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+        stop_process_tree(self._proc, grace_s=5)
         self._proc = None
 
     def cleanup(self) -> None:
@@ -222,3 +213,14 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only (0600), also when the file already exists.
+
+    The file is created 0600 (no moment with the umask's mode) and re-chmodded when it existed.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

@@ -24,18 +24,12 @@ Environment is the caller's: set OMP_NUM_THREADS per rank (torchrun sets 1 when 
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
+from inference_shim.procs import free_port
 from pipeline_rl.config import RunConfig
-from pipeline_rl.paths import CONF_DIR, REPO_ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pipeline_rl.paths import CONF_DIR
 
 
 def accelerate_config_file(strategy: str) -> Path:
@@ -61,7 +55,7 @@ def trainer_command(cfg: RunConfig, config_path: str) -> list[str]:
         "--main_process_ip",
         "127.0.0.1",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
     ]
     if t.strategy.startswith("deepspeed_"):
         stage = t.strategy.removeprefix("deepspeed_zero")

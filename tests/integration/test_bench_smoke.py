@@ -3,21 +3,20 @@
 section of the benchmarks doc and its raw JSON. No timing is asserted: these machines are too noisy
 for thresholds, and the figures themselves come from full runs (docs/benchmarks.md).
 
-    .venv/bin/python -m pytest -q tests/test_bench_smoke.py          # ~2-3 min (one `bench ... --quick`)
-    .venv/bin/python -m pytest -q -m "not slow" tests/test_bench_smoke.py   # the fast unit tests only
+    .venv/bin/python -m pytest -q tests/integration/test_bench_smoke.py          # ~2-3 min (one `bench ... --quick`)
+    .venv/bin/python -m pytest -q -m "not slow" tests/integration/test_bench_smoke.py   # the fast unit tests only
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from inference_shim.procs import log_tail, start_child, stop_process_tree
 from pipeline_rl.bench.common import markdown_table, update_doc_section
 from pipeline_rl.bench.run import BENCHMARKS as ALL_BENCHMARKS
 from pipeline_rl.bench.run import _expand
@@ -34,23 +33,18 @@ TABLE_MARKERS = {
 PLOTS = ["weight-sync.png", "inflight.png", "shim.png"]
 
 
-def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
+def _bench(*args: str, timeout_s: float, log_path: Path) -> subprocess.CompletedProcess:
     """`pipeline-rl bench ...` in its own session; on timeout SIGTERM lets it stop its servers first."""
     cmd = [sys.executable, "-m", "pipeline_rl.cli", "bench", *args]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    proc = start_child(cmd, log_path=log_path, cwd=REPO)
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        pytest.fail(f"bench {' '.join(args)} did not finish in {timeout_s:.0f}s; output tail:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+        stop_process_tree(proc, grace_s=60)
+        pytest.fail(
+            f"bench {' '.join(args)} did not finish in {timeout_s:.0f}s; output tail:\n{log_tail(log_path, 80)}"
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, log_path.read_text(errors="replace"), "")
 
 
 def _failure_excerpt(output: str) -> str:
@@ -68,7 +62,7 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
     # (pipeline-vs-sync runs whole RL runs through the launcher: its measurement is unit-tested below
     # on a written run directory, and the launcher's sync and pipelined runs by tests/test_launcher.py.)
     args = [*BENCHMARKS, "--quick", "--repeats", "1", "--doc", str(doc), "--img-dir", str(img)]
-    result = _bench(*args, "--out-dir", str(out), timeout_s=420)
+    result = _bench(*args, "--out-dir", str(out), timeout_s=420, log_path=tmp_path / "bench.log")
     assert result.returncode == 0, _failure_excerpt(result.stdout)
 
     text = doc.read_text()

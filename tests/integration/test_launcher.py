@@ -195,3 +195,16 @@ def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
     assert cfg.actor.max_lag == 0 and cfg.actor.max_buffered_groups == 4
     pipelined = resolve(compose(["actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
     assert pipelined.actor.max_lag == compose([]).actor.max_lag
+
+
+def test_servers_run_the_shim_with_the_token_in_their_environment(tmp_path):
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.main import plan, resolve
+
+    cfg = resolve(compose(["inference.num_servers=2"]), tmp_path, {"servers"})
+    specs = plan(cfg, tmp_path, {"servers"})
+    assert [s.url for s in specs] == cfg.inference.urls
+    for spec in specs:
+        assert spec.argv[1:3] == ["-m", "inference_shim"] and str(spec.port) in spec.argv
+        assert cfg.inference.token not in " ".join(spec.argv), "the token must not be visible in ps"
+        assert spec.env["PIPELINE_RL_TOKEN"] == cfg.inference.token

@@ -1,7 +1,8 @@
 """Trainer units that run in this process: packed forwards, gradient accumulation with global counts,
 the partition feed's agreement and checkpoint state (real Redis), checkpoints, the launch command, and
-the capture server against the real WeightSender. Also the helpers the slow trainer tests share
-(tests/test_trainer_dist.py, test_trainer_resume.py, test_trainer_e2e.py import them from here).
+the capture server (tests/integration/_capture.py) against the real WeightSender. Also the helpers the
+slow trainer tests share (tests/test_trainer_dist.py, test_trainer_resume.py, test_trainer_e2e.py import
+them from here).
 
 Single-rank code paths run in-process (no torch.distributed: the trainer's Comm is then the identity);
 multi-rank runs are in the slow files, launched with the real `accelerate launch` command.
@@ -24,13 +25,14 @@ import torch
 from inference_shim.protocol import VersionSpan
 from pipeline_rl.config import RunConfig
 from pipeline_rl.messages import RolloutGroup, Sample, TrainingPackage, TrainingSample
+from pipeline_rl.paths import CONF_DIR
 from pipeline_rl.preprocess_ops import assign_partitions, group_to_training_samples, pack_micro_batches
 from pipeline_rl.streams import StreamsConfig, make_writer, training_partition
 from pipeline_rl.tiny_model import build_tiny_model
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.feed import PartitionFeed, _choose
-from pipeline_rl.trainer.launch_cmd import CONF_DIR, trainer_command
+from pipeline_rl.trainer.launch_cmd import trainer_command
 from pipeline_rl.trainer.step import forward_logprobs, micro_batch_tensors, train_step
 
 ATTEMPTS = 4
@@ -148,7 +150,7 @@ def write_batches(cfg: RunConfig, batches: list[list[TrainingPackage]]) -> None:
 
 def reference_training(cfg: RunConfig, batches: list[list[TrainingPackage]]) -> dict[str, torch.Tensor]:
     """The same steps on ONE rank in this process (every rank's micro-batches in one package)."""
-    from pipeline_rl.trainer.ddp import DDPStrategy
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
     single = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"num_processes": 1})})
     comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
@@ -228,7 +230,7 @@ def test_packed_micro_batch_logprobs_equal_separate_forwards(tiny_model, tmp_pat
 
 
 def test_accumulated_micro_batches_give_the_gradient_of_one_big_batch(tiny_model, tmp_path):
-    from pipeline_rl.trainer.ddp import DDPStrategy
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
     cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
     samples = [
@@ -311,7 +313,7 @@ def test_trainer_command_contract(tiny_model, tmp_path):
 def test_deepspeed_config_takes_zero_settings_from_json_and_the_rest_from_trainer(
     tiny_model, tmp_path, monkeypatch
 ):
-    from pipeline_rl.trainer.zero import deepspeed_config
+    from pipeline_rl.trainer.strategies.zero import deepspeed_config
 
     cfg = run_config(
         tmp_path, "redis://unused:1/0", tiny_model, strategy="deepspeed_zero3", max_grad_norm=0.5
@@ -332,7 +334,7 @@ def test_deepspeed_config_takes_zero_settings_from_json_and_the_rest_from_traine
 
 
 def test_checkpoints_are_atomic_pruned_and_restore_weights_and_optimizer(tiny_model, tmp_path):
-    from pipeline_rl.trainer.ddp import DDPStrategy
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
     cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
     comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
@@ -385,7 +387,8 @@ def test_truncate_jsonl_keeps_steps_up_to_the_checkpoint(tmp_path):
 
 
 def test_capture_server_receives_pushes_and_refuses_stale_versions(tiny_model):
-    from pipeline_rl.trainer.capture_server import CaptureServer
+    from _capture import CaptureServer
+
     from inference_shim.weight_sender import WeightPushError, WeightSender
 
     named = list(_model(tiny_model).named_parameters())
@@ -405,9 +408,9 @@ def test_capture_server_receives_pushes_and_refuses_stale_versions(tiny_model):
 
 
 def test_an_unreachable_server_stops_the_trainer_at_connect_with_its_url(tiny_model, tmp_path):
-    from pipeline_rl.trainer.ddp import DDPStrategy
-    from pipeline_rl.trainer.weights import WeightPublisher
     from inference_shim.weight_sender import WeightPushError
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+    from pipeline_rl.trainer.weights import WeightPublisher
 
     sys.path.insert(0, str(Path(__file__).parent))
     from _servers import free_port
@@ -425,8 +428,8 @@ def test_an_unreachable_server_stops_the_trainer_at_connect_with_its_url(tiny_mo
 
 
 def test_kl_to_the_frozen_initial_policy_starts_at_zero_and_grows(tiny_model, tmp_path):
-    from pipeline_rl.trainer.ddp import DDPStrategy
     from pipeline_rl.trainer.loop import _reference_model
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
     cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
     cfg.algo.kl_coef = 0.1

@@ -28,10 +28,10 @@ from test_trainer import (
 )
 
 from inference_shim.protocol import VersionSpan
+from inference_shim.weight_sender import WeightSender
 from pipeline_rl.messages import RolloutGroup, Sample, WeightVersionEvent
 from pipeline_rl.preprocess import Preprocessor
 from pipeline_rl.streams import ROLLOUTS, TRAINER_EVENTS, make_reader, make_writer
-from inference_shim.weight_sender import WeightSender
 
 pytestmark = pytest.mark.slow
 tiny_model = test_trainer.tiny_model  # the shared fixture (a session-scoped tiny model)

@@ -4,7 +4,7 @@ trained once, versions continuing, the weight receiver brought back to the check
 
 Real parts: redis-server, two preprocessors (in this process, taking turns, so their batches interleave
 in both partitions), the `accelerate launch` trainer command, a real gloo weight group. The receiver is
-the CaptureServer (no engine): it outlives the killed trainer like a real server would and keeps the
+the CaptureServer (tests/integration/_capture.py, no engine): it outlives the killed trainer like a real server would and keeps the
 history of versions it applied.
 """
 
@@ -18,6 +18,7 @@ from collections import Counter
 import psutil
 import pytest
 import test_trainer
+from _capture import CaptureServer
 from test_trainer import (
     make_groups,
     read_jsonl,
@@ -31,7 +32,6 @@ from pipeline_rl.messages import WeightVersionEvent
 from pipeline_rl.preprocess import Preprocessor
 from pipeline_rl.streams import ROLLOUTS, TRAINER_EVENTS, make_reader, make_writer, training_partition
 from pipeline_rl.trainer import checkpoint
-from pipeline_rl.trainer.capture_server import CaptureServer
 from pipeline_rl.trainer.feed import commit_name
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,8 @@
-"""How the model is spread over the trainer ranks: the interface every strategy implements, and the factory.
+"""The interface every trainer strategy implements (how the model is spread over the trainer ranks).
 
-One file per strategy (ddp.py, zero.py, fsdp.py). Each one owns the wrapped model, the optimizer and the
-LR schedule, and answers the questions the driver loop and the weight push ask:
+One file per strategy beside this one (ddp.py, zero.py, fsdp.py); `make_strategy` in the package's
+__init__ picks one by name. This module imports none of them. Each strategy owns the wrapped model, the
+optimizer and the LR schedule, and answers the questions the driver loop and the weight push ask:
 
     s = make_strategy(cfg, comm, weights_dir)        # weights_dir: model_path, or a checkpoint's model/
     with s.micro_step(last=i == n - 1): s.backward(loss)    # every micro-batch of the package
@@ -18,7 +19,6 @@ library's own API (torch DDP, torch fully_shard, deepspeed.initialize): one code
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,44 +26,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline_rl.config import RunConfig, TrainerConfig
+from inference_shim.protocol import plan_buckets
+from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm
-
-# (HF checkpoint name, full shape, dtype) of every weight the servers hold, in push order.
-WeightSpec = tuple[str, list[int], torch.dtype]
-
-
-def load_hf_model(path: str | Path, device: torch.device) -> torch.nn.Module:
-    """The causal LM in float32 (the trainer's master weights), SDPA attention, in train mode."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
-    model.config.use_cache = False
-    return model.to(device).train()
-
-
-def lr_lambda(tcfg: TrainerConfig):
-    """Linear warmup over trainer.warmup_steps, then constant."""
-    warmup = tcfg.warmup_steps
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-
-
-def check_names(specs: list[WeightSpec], model_path: str | Path) -> None:
-    """Our weight names must be exactly the checkpoint's (the servers validate every update against it)."""
-    from pipeline_rl.tiny_model import checkpoint_tensor_table
-
-    try:
-        table = checkpoint_tensor_table(model_path)
-    except FileNotFoundError:
-        return  # not a safetensors checkpoint: the servers' validation is the check
-    ours = {name: shape for name, shape, _ in specs}
-    missing, extra = sorted(set(table) - set(ours)), sorted(set(ours) - set(table))
-    wrong = [n for n in ours if n in table and list(table[n][1]) != list(ours[n])]
-    if missing or extra or wrong:
-        raise RuntimeError(
-            f"the trainer's weights do not match the checkpoint at {model_path}: missing {missing[:3]}, "
-            f"extra {extra[:3]}, wrong shape {wrong[:3]}; the servers would refuse every update"
-        )
+from pipeline_rl.trainer.model import WeightSpec, weight_metas
 
 
 class Strategy(ABC):
@@ -112,7 +78,10 @@ class Strategy(ABC):
         """Every weight, full, on rank 0's CPU (None elsewhere); gathered bucket by bucket (collective)."""
         specs = self.weight_specs()
         state: dict[str, torch.Tensor] = {}
-        for indices in _buckets(specs, bucket_bytes):
+        # The push's own bucket planner: here it only bounds how much is gathered at once (its 64-byte
+        # alignment padding just makes a bucket close a little earlier).
+        for bucket in plan_buckets(weight_metas(specs), bucket_bytes):
+            indices = [slot.index for slot in bucket.slots]
             tensors = self.gather(indices)
             if tensors is not None:
                 for i, tensor in zip(indices, tensors, strict=True):
@@ -125,40 +94,3 @@ class Strategy(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the strategy holds."""
-
-
-def params_checksum(module: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, param in module.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _buckets(specs: list[WeightSpec], bucket_bytes: int) -> list[list[int]]:
-    out: list[list[int]] = [[]]
-    used = 0
-    for i, (_, shape, dtype) in enumerate(specs):
-        size = torch.Size(shape).numel() * dtype.itemsize
-        if out[-1] and used + size > bucket_bytes:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += size
-    return [b for b in out if b]
-
-
-def make_strategy(cfg: RunConfig, comm: Comm, weights_dir: str | Path) -> Strategy:
-    """The strategy cfg.trainer.strategy names, with weights loaded from `weights_dir`."""
-    name = cfg.trainer.strategy
-    if name == "ddp":
-        from pipeline_rl.trainer.ddp import DDPStrategy
-
-        return DDPStrategy(cfg, comm, weights_dir)
-    if name in ("deepspeed_zero2", "deepspeed_zero3"):
-        from pipeline_rl.trainer.zero import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(cfg, comm, weights_dir, stage=2 if name.endswith("2") else 3)
-    from pipeline_rl.trainer.fsdp import FSDPStrategy
-
-    return FSDPStrategy(cfg, comm, weights_dir)

