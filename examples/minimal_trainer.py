@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
+import hmac
 import json
+import socket
 import threading
 import uuid
 from pathlib import Path
@@ -40,6 +43,26 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[tuple[list[tuple[i
         current.append((i, offset))
         used = offset + size
     return buckets + [(current, used)] if current else buckets
+
+
+def sign(token: str | None, key: str, payload: str) -> str:
+    """A store value (contract § Store values): HMAC-SHA256 keyed by the server's token over the key
+    name (length-prefixed) and the payload. Without a token (a loopback-only server) values are bare."""
+    if token is None:
+        return payload
+    k = key.encode()
+    mac = hmac.new(token.encode(), b"%d:%s%s" % (len(k), k, payload.encode()), hashlib.sha256).hexdigest()
+    return f"hmac-sha256:{mac}:{payload}"
+
+
+def verified(token: str | None, key: str, value: bytes) -> str:
+    """The payload of a value the server wrote, after checking its HMAC (a forgery fails the run)."""
+    text = value.decode()
+    payload = text.split(":", 2)[2] if text.startswith("hmac-sha256:") else text
+    if token is not None:  # re-sign the payload and compare in constant time; unsigned never matches
+        good = hmac.compare_digest(sign(token, key, payload).encode(), text.encode())
+        check(good, f"{key} is not signed with our token")
+    return payload
 
 
 def check(ok: bool, message: str) -> None:
@@ -83,7 +106,13 @@ def main() -> None:
         tensors = [t + 0.05 * torch.randn(t.shape, generator=gen, dtype=dtype) for t in tensors]
 
     # § 1. The group: we host the store and are rank 0; the server joins while we do (POST from a thread).
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=dt.timedelta(seconds=args.timeout))
+    # Listening ourselves binds the store to this address only (torch alone listens on every interface).
+    listener = socket.create_server(("127.0.0.1", 0))
+    timeout = dt.timedelta(seconds=args.timeout)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(
+        "127.0.0.1", port, None, True, timeout=timeout, master_listen_fd=listener.detach(), use_libuv=True
+    )
     world_size = 1 + caps["workers"]
     init = {
         "master_address": "127.0.0.1",
@@ -123,9 +152,9 @@ def main() -> None:
         r = http.post("/request_weight_update", json=request)
         decision = f"{GROUP}/update/{update_id}/decision"
         if r.status_code != 200:
-            store.set(decision, "abort")
+            store.set(decision, sign(args.token, decision, "abort"))
             raise SystemExit(f"update refused: {r.status_code} {r.text}")
-        store.set(decision, "go")
+        store.set(decision, sign(args.token, decision, "go"))  # an unsigned "go" is an abort
         sizes = [t.numel() * t.element_size() for t in tensors]
         for slots, length in plan_buckets(sizes, args.bucket_bytes):
             flat = torch.zeros(length, dtype=torch.uint8)  # exactly the bucket's length
@@ -136,7 +165,7 @@ def main() -> None:
             pg.broadcast([flat], opts).wait()
         result_key = f"{GROUP}/update/{update_id}/result/{server}"
         store.wait([result_key], dt.timedelta(seconds=args.timeout))
-        result = json.loads(store.get(result_key))
+        result = json.loads(verified(args.token, result_key, store.get(result_key)))
         check(result["ok"], f"server failed to apply version {args.version}: {result['error']}")
     finally:
         http.post("/destroy_process_group").raise_for_status()

@@ -4,7 +4,8 @@
     pipeline-rl serve ...          (the same flags: that command delegates here)
 
 Heavy modules (torch, vLLM, FastAPI) are imported only once the flags are parsed, so --help is instant.
-The control-route token may come from $PIPELINE_RL_TOKEN instead of --token (keeps it out of argv).
+The control-route token may come from $PIPELINE_RL_TOKEN instead of --token, the generation API key from
+$PIPELINE_RL_API_KEY instead of --api-key (keeps them out of argv, where `ps` shows them to every user).
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ ENGINE_ENV_DEFAULTS = {
     "HF_DATASETS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+}
+
+# A server survives a trainer that dies mid-broadcast on an nccl weight group. Torch's NCCL watchdog
+# by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, "TearDown") ends the whole process when a collective
+# times out or fails, which would take every server down with its trainer. 2 ("CleanUpOnly") aborts
+# the communicator and leaves the error to the waiting call; TORCH_NCCL_BLOCKING_WAIT=1 makes that
+# wait() raise at the group's timeout instead of returning while a kernel that will never finish still
+# hangs the stream. The worker's receive then fails the update like a gloo timeout does: staged weights
+# dropped, old weights served, /health ok. Blocking wait costs nothing there (the receive needs each
+# bucket before it goes on). Servers only: a trainer keeps torch's defaults, where dying loudly is right
+# and blocking waits would cost its compute/communication overlap. UNTESTED HERE: this machine has no
+# GPU (nccl cannot run); scripts/gpu_contract_tests.sh is where it can be exercised. Explicit settings win.
+SERVER_NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
 }
 
 
@@ -47,6 +63,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="Bearer token required on control routes (default: $PIPELINE_RL_TOKEN)",
     )
     p.add_argument(
+        "--api-key",
+        default=os.environ.get("PIPELINE_RL_API_KEY") or None,
+        help="Bearer key required on /v1/ (generation) routes; default $PIPELINE_RL_API_KEY, else none",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="name in /v1/models (default: the directory name)"
     )
     p.add_argument(
@@ -68,6 +89,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="capture backend only: write each received update to DIR/weights.safetensors + history.jsonl",
     )
     p.add_argument("--log-level", default="info", help="uvicorn / logging level")
+    add_limit_arguments(p)
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per field of inference_shim.limits.Limits (--max-body-bytes, ...), help from its docs."""
+    from inference_shim.limits import Limits  # light: pydantic and starlette, no engine
+
+    for name, field in Limits.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(
+            flag, type=int, default=field.default, help=f"{field.description} (default {field.default})"
+        )
+
+
+def limits_of(args: argparse.Namespace):
+    """The Limits of parsed flags."""
+    from inference_shim.limits import Limits
+
+    return Limits(**{name: getattr(args, name) for name in Limits.model_fields})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +144,8 @@ def engine_options(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> None:
     """Serve with parsed flags until SIGINT/SIGTERM."""
     apply_engine_env()
+    for key, value in SERVER_NCCL_ENV.items():  # before the engine spawns its workers: they inherit it
+        os.environ.setdefault(key, value)
     try:
         import setproctitle
 
@@ -113,9 +155,18 @@ def run(args: argparse.Namespace) -> None:
     from inference_shim.server import ServeConfig, serve
 
     engine = engine_options(args)
-    cfg = ServeConfig(
-        backend=args.backend, host=args.host, port=args.port, token=args.token, log_level=args.log_level
-    )
+    try:
+        cfg = ServeConfig(
+            backend=args.backend,
+            host=args.host,
+            port=args.port,
+            token=args.token or None,  # an empty $PIPELINE_RL_TOKEN means none
+            api_key=args.api_key or None,
+            limits=limits_of(args),
+            log_level=args.log_level,
+        )
+    except ValueError as e:  # pydantic's message says which flag to fix
+        raise SystemExit(f"pipeline-rl serve: {e}") from None
     serve(cfg, engine)
 
 

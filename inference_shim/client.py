@@ -1,6 +1,6 @@
 """Thin, stateless clients of one inference server: every call has a timeout and raises on HTTP errors.
 
-    client = ShimClient("http://127.0.0.1:8000", token="...")
+    client = ShimClient("http://127.0.0.1:8000", token="...")   # api_key: default $PIPELINE_RL_API_KEY
     client.health(); client.request_weight_update(WeightUpdateRequest(...))
 
 `ShimClient` (sync, httpx) serves the trainer and tools; `AsyncShimClient` serves the actor's event loop.
@@ -13,6 +13,7 @@ OpenAI-compatible server (the extensions are then None).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -59,10 +60,19 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def _api_key(api_key: str | None) -> str | None:
+    # The server's --api-key defaults to $PIPELINE_RL_API_KEY; so does the key its clients send.
+    return api_key if api_key is not None else (os.environ.get("PIPELINE_RL_API_KEY") or None)
+
+
 class ShimClient:
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout_s: float = 30.0, api_key: str | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout_s)
+        # Generation (/v1/) routes take the API key where control routes take the token.
+        self._v1 = _headers(_api_key(api_key))
 
     def close(self) -> None:
         self._http.close()
@@ -72,7 +82,8 @@ class ShimClient:
 
     def _post(self, path: str, body: dict | None, timeout_s: float | None = None) -> Any:
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
-        return _raise_for(self._http.post(path, json=body or {}, timeout=timeout))
+        headers = self._v1 if path.startswith("/v1/") else None
+        return _raise_for(self._http.post(path, json=body or {}, timeout=timeout, headers=headers))
 
     def health(self) -> HealthResponse:
         response = self._http.get("/health")
@@ -110,8 +121,11 @@ class ShimClient:
 
 
 class AsyncShimClient:
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, base_url: str, token: str | None = None, timeout_s: float = 300.0, api_key: str | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._v1 = _headers(_api_key(api_key))  # sent on the generation (/v1/) routes
         # Expire idle connections well before uvicorn does (5 s): reusing a connection the server is
         # closing at that moment fails with a ReadError that no server log explains.
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=2.0)
@@ -133,20 +147,21 @@ class AsyncShimClient:
 
     async def models(self) -> list[str]:
         """Ids of the served models (GET /v1/models)."""
-        return [m["id"] for m in _raise_for(await self._http.get("/v1/models", timeout=30.0))["data"]]
+        response = await self._http.get("/v1/models", timeout=30.0, headers=self._v1)
+        return [m["id"] for m in _raise_for(response)["data"]]
 
     async def chat(self, messages: list[dict], **params: Any) -> ChatCompletionResponse:
         """POST /v1/chat/completions (not streamed); `params` are ChatCompletionRequest fields."""
         body = {"messages": messages, **params}
         return ChatCompletionResponse.model_validate(
-            _raise_for(await self._http.post("/v1/chat/completions", json=body))
+            _raise_for(await self._http.post("/v1/chat/completions", json=body, headers=self._v1))
         )
 
     async def completion(self, prompt: str | list[int], **params: Any) -> CompletionResponse:
         """POST /v1/completions (not streamed); `params` are CompletionRequest fields."""
         body = {"prompt": prompt, **params}
         return CompletionResponse.model_validate(
-            _raise_for(await self._http.post("/v1/completions", json=body))
+            _raise_for(await self._http.post("/v1/completions", json=body, headers=self._v1))
         )
 
     async def chat_stream(self, messages: list[dict], **params: Any) -> AsyncIterator[ChatCompletionChunk]:
@@ -155,7 +170,7 @@ class AsyncShimClient:
         A failure after the 200 status line (the server's in-band `{"error": ...}`) raises ShimError with
         status 500: the server failed mid-request, which another server may not."""
         body = {"messages": messages, **params, "stream": True}
-        async with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with self._http.stream("POST", "/v1/chat/completions", json=body, headers=self._v1) as response:
             if response.status_code >= 400:
                 await response.aread()
                 _raise_for(response)

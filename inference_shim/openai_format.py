@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from inference_shim.backends.base import ChoiceDelta
+from inference_shim.backends.base import ChoiceDelta, ContractError
 from inference_shim.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -47,10 +47,14 @@ def sse(chunk: ChatCompletionChunk | CompletionChunk) -> str:
 
 
 def sse_error(err: BaseException) -> str:
-    """The in-band error line of a stream whose 200 status line is already sent."""
-    return (
-        f'data: {{"error": {StreamError(message=str(err), type=type(err).__name__).model_dump_json()}}}\n\n'
-    )
+    """The in-band error line of a stream whose 200 status line is already sent. A ContractError keeps
+    its contract code as `type` (e.g. weights_incomplete: the rest of this stream would have come from
+    weights the server did not finish applying)."""
+    if isinstance(err, ContractError):
+        error = StreamError(message=err.detail or err.error, type=err.error)
+    else:
+        error = StreamError(message=str(err), type=type(err).__name__)
+    return f'data: {{"error": {error.model_dump_json()}}}\n\n'
 
 
 def _usage(prompt_ids: list[int], choices: list[ChoiceDelta]) -> Usage:

@@ -25,7 +25,7 @@ import hashlib
 import hmac
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -63,6 +63,16 @@ class InitProcessGroupRequest(_Strict):
         min_length=1, description="Name the trainer uses for this server in errors and keys."
     )
     timeout_s: float = Field(default=120.0, gt=0, le=3600, description="Deadline to join and per collective.")
+
+    @model_validator(mode="after")
+    def _rank_inside_world(self) -> InitProcessGroupRequest:
+        # Caught here (422), not as a join that times out (504) because the rank can never join.
+        if self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"rank_offset {self.rank_offset} must be below world_size {self.world_size} "
+                "(ranks are 0 .. world_size - 1; the trainer is rank 0)"
+            )
+        return self
 
 
 class InitProcessGroupResponse(BaseModel):
@@ -189,18 +199,32 @@ def verify_value(token: str | None, key: str, value: bytes | str) -> str:
     """The payload of the store value read from `key`; raises UnauthenticatedValue unless it was signed
     with `token` for exactly this key. Without a token nothing can be checked: a signed value's MAC is
     stripped, an unsigned value is taken as it is."""
-    text = value.decode() if isinstance(value, bytes) else value
+    # Bytes that are not UTF-8 can only be forged: decoded with replacements, they fail the MAC.
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
     signed = text.startswith(SIGNED_VALUE_PREFIX)
     mac, _, payload = text.removeprefix(SIGNED_VALUE_PREFIX).partition(":") if signed else ("", "", text)
     if token is None:
         return payload
     if not signed:
-        raise UnauthenticatedValue(f"store key {key} holds an unsigned value, but a token is set: an HMAC is required")
+        raise UnauthenticatedValue(f"store value of {key} is not authenticated: unsigned, but a token is set")
     if not hmac.compare_digest(mac.encode(), _value_mac(token, key, payload).encode()):
         raise UnauthenticatedValue(
-            f"store key {key} holds a value whose HMAC does not verify (another token, another key, or forged)"
+            f"store value of {key} is not authenticated: its HMAC does not verify (forged, copied from "
+            "another key, or made with another token)"
         )
     return payload
+
+
+def verify_decision(token: str | None, key: str, value: bytes | str, version: int) -> str:
+    """The trainer's decision read from decision_key(): "go", or anything else (an abort). Raises
+    UnauthenticatedValue, saying the update is refused, when it was not signed with `token`."""
+    try:
+        return verify_value(token, key, value)
+    except UnauthenticatedValue as e:
+        raise UnauthenticatedValue(
+            f"the trainer's decision for version {version} was not authenticated, so the update was "
+            f"refused and the old weights kept ({e})"
+        ) from None
 
 
 class BucketSlot(BaseModel):
@@ -345,7 +369,8 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     n: int = Field(default=1, ge=1, le=256)
-    seed: int | None = None
+    # vLLM seeds a torch generator: a seed outside [0, 2**63) is an OverflowError deep in the engine.
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     ignore_eos: bool = False
@@ -360,7 +385,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(description="Text, or token ids (no chat template applied).")
+    prompt: str | list[Annotated[int, Field(ge=0)]] = Field(
+        description="Text, or token ids (no chat template applied; each in the model's vocabulary)."
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 

@@ -2,26 +2,31 @@
 
     pipeline-rl serve --backend vllm --model DIR --host 127.0.0.1 --port 8000 [--token T]
 
-Routes: generation (/v1/chat/completions, /v1/completions, /v1/models), weight transfer
-(/init_process_group, /request_weight_update, /destroy_process_group — Bearer token when configured),
-and curl-friendly introspection (/health, /capabilities, /debug/state, /metrics).
+Routes: generation (/v1/chat/completions, /v1/completions, /v1/models — API key when configured),
+weight transfer (/init_process_group, /request_weight_update, /destroy_process_group — Bearer token when
+configured), and curl-friendly introspection (/health, /capabilities, /debug/state, /metrics).
+Every request error is a 4xx `{"error", "detail"}`; limits and overload answers: inference_shim/limits.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference_shim.backends.base import Backend, ContractError, SamplingRequest
-from inference_shim.metrics import ShimMetrics
+from inference_shim.limits import AdmissionGate, GuardMiddleware, Limits, check_generation
+from inference_shim.metrics import RouteMetricsMiddleware, ShimMetrics
 from inference_shim.openai_format import (
     SSE_DONE,
     chat_chunk,
@@ -52,14 +57,49 @@ class ServeConfig(BaseModel):
     host: str = Field(default="127.0.0.1", description="Bind address; loopback unless you mean to expose it.")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port.")
     token: str | None = Field(default=None, description="Bearer token required on control routes.")
+    api_key: str | None = Field(default=None, description="Bearer key required on /v1/ routes; None: open.")
+    limits: Limits = Field(default_factory=Limits, description="Body size, admission and request limits.")
     log_level: str = Field(default="info", description="uvicorn / logging level.")
+
+    @model_validator(mode="after")
+    def _exposed_needs_token(self) -> ServeConfig:
+        if self.host not in LOOPBACK_HOSTS and not self.token:
+            raise ValueError(
+                f"--host {self.host} exposes the control routes beyond this machine: set a token "
+                "($PIPELINE_RL_TOKEN or --token), or bind 127.0.0.1"
+            )
+        return self
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+# The `error` code of an HTTP error the framework raises itself (unknown path, wrong method, body
+# that cannot be parsed, body over the limit): every error body is {"error", "detail"}.
+HTTP_ERROR_CODES = {
+    400: "invalid_json",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+}
 
 
 def _error(status: int, error: str, detail: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=ErrorResponse(error=error, detail=detail).model_dump())
 
 
-def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None) -> FastAPI:
+def create_app(
+    backend: Backend,
+    metrics: ShimMetrics,
+    token: str | None = None,
+    limits: Limits | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
+    limits = limits or Limits()
+    # Tokenization and chat templates run here, off the event loop, so one huge prompt cannot stall
+    # /health, streams or a weight update. One thread: a Hugging Face fast tokenizer is not safe to
+    # call from several threads at once ("Already borrowed").
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await backend.start()
@@ -68,8 +108,17 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
             yield
         finally:
             await backend.stop()
+            tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pipeline-rl inference shim", lifespan=lifespan)
+    # Outermost first: count every answer (the guard's 401/413/503 included), then the guard.
+    app.add_middleware(
+        GuardMiddleware,
+        limits=limits,
+        gate=AdmissionGate(limits.max_concurrent_requests, limits.max_queued_requests),
+        api_key=api_key,
+    )
+    app.add_middleware(RouteMetricsMiddleware, metrics=metrics)
     backend.token = token  # signs/verifies the weight plane's store values (protocol.sign_value)
 
     def require_token(request: Request) -> None:
@@ -85,6 +134,17 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
     async def _contract_error(_: Request, e: ContractError) -> JSONResponse:
         return _error(e.status, e.error, e.detail)
 
+    @app.exception_handler(Exception)
+    async def _server_fault(_: Request, e: Exception) -> JSONResponse:
+        # Still logged with its traceback by the server; the client gets the contract's error body.
+        return _error(500, "internal_error", f"{type(e).__name__}: {e}"[:500])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        response = _error(e.status_code, HTTP_ERROR_CODES.get(e.status_code, "http_error"), str(e.detail))
+        response.headers.update(e.headers or {})  # e.g. Allow on a 405
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
@@ -94,12 +154,6 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
             f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in errors[:5]
         )
         return _error(422, "invalid_request", detail)
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        metrics.requests.labels(route=request.url.path, status=str(response.status_code)).inc()
-        return response
 
     # ------------------------------------------------------------------ introspection
     @app.get("/health")
@@ -169,10 +223,20 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
     def model_name() -> str:
         return backend.capabilities().model
 
+    def admit(req: ChatCompletionRequest | CompletionRequest) -> None:
+        """Refuse, before any tokenization: a request beyond the limits (400) or a server that must not
+        generate now (503, e.g. weights_incomplete)."""
+        check_generation(req, limits)
+        backend.check_can_generate()
+
+    async def off_loop(fn, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
+        admit(req)
         messages = [m.model_dump() for m in req.messages]
-        prompt_ids = backend.chat_prompt_ids(messages, req.add_generation_prompt)
+        prompt_ids = await off_loop(_render_chat, backend, messages, req.add_generation_prompt)
         params = sampling(req, req.top_logprobs or 0, req.max_completion_tokens or req.max_tokens)
         want_logprobs = req.logprobs
         token_text = backend.token_text
@@ -201,10 +265,12 @@ def create_app(backend: Backend, metrics: ShimMetrics, token: str | None = None)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
+        admit(req)
         if isinstance(req.prompt, str):
-            prompt_ids = backend.text_prompt_ids(req.prompt)
+            prompt_ids = await off_loop(backend.text_prompt_ids, req.prompt)
         else:
             prompt_ids = list(req.prompt)
+            backend.check_token_ids(prompt_ids)
         if not prompt_ids:
             raise ContractError(400, "empty_prompt", "the prompt has no tokens")
         params = sampling(req, req.logprobs or 0, req.max_tokens or 16)
@@ -239,6 +305,19 @@ def _json(response: BaseModel) -> Response:
     return Response(content=response.model_dump_json(), media_type="application/json")
 
 
+def _render_chat(backend: Backend, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The chat prompt's token ids; a template that refuses these messages is the client's 400."""
+    import jinja2
+
+    try:
+        return backend.chat_prompt_ids(messages, add_generation_prompt)
+    except ContractError:
+        raise
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
+        # e.g. a role or an order of roles the model's chat template rejects (raise_exception in it)
+        raise ContractError(400, "invalid_messages", f"the model's chat template refused them: {e}") from e
+
+
 async def _first_or_error(generator):
     try:
         return await anext(generator)
@@ -265,12 +344,9 @@ def serve(cfg: ServeConfig, engine_options: dict) -> None:
     import uvicorn
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning(
-            "binding %s: the control routes are reachable from the network%s",
-            cfg.host,
-            "" if cfg.token else " WITHOUT a token",
-        )
+    if cfg.host not in LOOPBACK_HOSTS:  # ServeConfig refused this without a token
+        log.warning("binding %s: the routes are reachable from the network; firewall the port", cfg.host)
     metrics = ShimMetrics()
-    app = create_app(make_backend(cfg, engine_options, metrics), metrics, cfg.token)
+    backend = make_backend(cfg, engine_options, metrics)
+    app = create_app(backend, metrics, cfg.token, cfg.limits, cfg.api_key)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)

@@ -5,7 +5,9 @@ its methods are added to vLLM's Worker, so `self` is the worker. The shim calls 
 `AsyncLLM.collective_rpc(...)`. Ordering (see inference_shim/protocol.py for the whole protocol):
 
   pr_init_group      once, joins the group as rank rank_offset + worker rank (failures raise a
-                     JoinError naming the phase: store, group or probe)
+                     JoinError naming the phase: store, group or probe). It also receives the server's
+                     token, through collective_rpc's args (the engine's own IPC, never argv): every
+                     store value this worker reads is verified with it and every one it writes signed.
   pr_arm_receive     per update: starts a background thread that waits for the trainer's decision key,
                      then receives every bucket into staging buffers while the engine keeps decoding,
                      and finally writes its WorkerReceipt under the "received" key the shim waits on.
@@ -28,7 +30,15 @@ import traceback
 import torch
 
 from inference_shim.backends.join import JoinError, join_weight_group, store_timeout
-from inference_shim.protocol import TensorMeta, WorkerReceipt, decision_key, received_key
+from inference_shim.protocol import (
+    TensorMeta,
+    UnauthenticatedValue,
+    WorkerReceipt,
+    decision_key,
+    received_key,
+    sign_value,
+    verify_decision,
+)
 from inference_shim.transfer import WeightGroup, connect_store, receive_buckets
 
 
@@ -42,6 +52,7 @@ class WeightReceiverExtension:
     # staged memory (then every update gets fresh buffers, as reuse would overwrite live weights).
     _pr_buffers: list | None = None
     _pr_reuse_checked: bool = False
+    _pr_token: str | None = None  # the server's token: store values are signed / verified with it
 
     def pr_init_group(
         self,
@@ -52,6 +63,7 @@ class WeightReceiverExtension:
         backend: str,
         group_name: str,
         timeout_s: float,
+        token: str | None = None,
     ) -> int:
         if self._pr_group is not None:
             raise RuntimeError("this worker already joined a weight group; destroy it first")
@@ -81,6 +93,7 @@ class WeightReceiverExtension:
         )
         group.timeout_s = timeout_s
         self._pr_group = group
+        self._pr_token = token
         self._pr_buffers = []
         self._pr_reuse_checked = False
         _clamp_idle_spin()
@@ -114,12 +127,14 @@ class WeightReceiverExtension:
         bucket_bytes: int,
         timeout_s: float,
     ) -> None:
+        token = self._pr_token
         receipt, staged = receive_update(
-            group, version, update_id, metas, bucket_bytes, timeout_s, self._pr_buffers
+            group, version, update_id, metas, bucket_bytes, timeout_s, self._pr_buffers, token=token
         )
         if staged is not None:
             self._pr_staged = {"version": version, "tensors": staged}
-        group.store.set(received_key(group.group_name, update_id, group.rank), receipt.model_dump_json())
+        key = received_key(group.group_name, update_id, group.rank)
+        group.store.set(key, sign_value(token, key, receipt.model_dump_json()))
 
     def pr_apply(self, version: int) -> float:
         staged = self._pr_staged
@@ -143,6 +158,7 @@ class WeightReceiverExtension:
         group, self._pr_group = self._pr_group, None
         self._pr_staged = None
         self._pr_buffers = None
+        self._pr_token = None
         if group is not None:
             group.pg.shutdown() if hasattr(group.pg, "shutdown") else None
 
@@ -155,18 +171,25 @@ def receive_update(
     bucket_bytes: int,
     timeout_s: float,
     buffers: list[torch.Tensor] | None = None,
+    *,
+    token: str | None = None,
 ) -> tuple[WorkerReceipt, list[tuple[str, torch.Tensor]] | None]:
     """One receiver's part of an update: wait for the trainer's decision, on "go" receive every bucket.
 
     Returns the receipt and the received (name, tensor) views, None unless ok. Never raises: a failure
     is reported in the receipt, which reaches the trainer through the server. Shared by this worker and
-    the capture backend (inference_shim/backends/capture_backend.py).
+    the capture backend (inference_shim/backends/capture_backend.py). The decision must be signed with
+    `token` (the server's); one that is not is an abort: nothing is received, the old weights stay.
     """
     receipt = WorkerReceipt(ok=False, rank=group.rank)
     try:
         key = decision_key(group.group_name, update_id)
         group.store.wait([key], _timedelta(timeout_s))
-        decision = group.store.get(key).decode()
+        try:
+            decision = verify_decision(token, key, group.store.get(key), version)
+        except UnauthenticatedValue as e:
+            receipt.error = str(e)
+            return receipt, None
         if decision != "go":
             receipt.error = f"trainer decided {decision!r} for version {version}"
             return receipt, None

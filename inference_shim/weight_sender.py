@@ -11,7 +11,8 @@ shards through the `fetch` callback). Ordering contract:
 
 push(): 1) POST /request_weight_update to every server in parallel (they validate before any
 collective); 2) if all accepted, write "go" to the decision key, else "abort" and raise naming the
-servers that refused; 3) broadcast the buckets (fetch(indices) returns full tensors for one bucket, so
+servers that refused (every value this sender writes is signed with `token` and every result it reads
+must be signed with it: protocol.sign_value; so all servers of one sender share one token); 3) broadcast the buckets (fetch(indices) returns full tensors for one bucket, so
 sharded trainers never materialize the whole model); 4) wait for every server's result key and raise,
 naming the server, if any failed or stayed silent past the deadline.
 
@@ -40,11 +41,14 @@ from inference_shim.protocol import (
     BucketSlot,
     InitProcessGroupRequest,
     TensorMeta,
+    UnauthenticatedValue,
     UpdateResult,
     WeightUpdateRequest,
     decision_key,
     plan_buckets,
     result_key,
+    sign_value,
+    verify_value,
 )
 from inference_shim.transfer import (
     WeightGroup,
@@ -101,6 +105,7 @@ class WeightSender:
             raise ValueError("WeightSender needs at least one server URL")
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.clients = [ShimClient(u, token=token, timeout_s=min(timeout_s, 60.0)) for u in self.server_urls]
+        self._token = token  # also keys the HMAC of every store value (decision out, results in)
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
@@ -280,13 +285,13 @@ class WeightSender:
             if err is not None
         ]
         if refused:
-            group.store.set(decision_key(self.group_name, request.update_id), "abort")
+            self._decide(group, request.update_id, "abort")
             raise WeightPushError(
                 f"weight update to version {version} refused, nothing was sent: " + "; ".join(refused),
                 [r.split(": ")[0] for r in refused],
             )
         request_seconds = time.perf_counter() - start
-        group.store.set(decision_key(self.group_name, request.update_id), "go")
+        self._decide(group, request.update_id, "go")
 
         broadcast_start = time.perf_counter()
         buckets = plan_buckets(metas, self.bucket_bytes)
@@ -324,6 +329,10 @@ class WeightSender:
             results=results,
         )
 
+    def _decide(self, group: WeightGroup, update_id: str, decision: str) -> None:
+        key = decision_key(self.group_name, update_id)
+        group.store.set(key, sign_value(self._token, key, decision))
+
     def _buffer(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
         # Two buffers, alternating: bucket i is packed into one while bucket i-1 is broadcast from the
         # other; the broadcast of bucket i-2 (same buffer) has been waited for before we get here.
@@ -345,7 +354,20 @@ class WeightSender:
                 f"no result for version {version} within {self.timeout_s:.0f}s from: {silent} (server down or stuck?)",
                 silent,
             ) from None
-        results = [UpdateResult.model_validate_json(store.get(key)) for key in keys.values()]
+        results, forged = [], {}
+        for url, key in keys.items():
+            try:
+                payload = verify_value(self._token, key, store.get(key))
+            except UnauthenticatedValue as e:  # not the server's word: never count it as applied
+                forged[url] = str(e)
+                continue
+            results.append(UpdateResult.model_validate_json(payload))
+        if forged:
+            raise WeightPushError(
+                f"result of version {version} not authenticated (a forged value, or the server runs with "
+                "another --token): " + "; ".join(f"{url}: {e}" for url, e in forged.items()),
+                list(forged),
+            )
         failed = [r for r in results if not r.ok]
         if failed:
             raise WeightPushError(

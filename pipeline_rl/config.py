@@ -209,7 +209,8 @@ def public_config(cfg: RunConfig) -> RunConfig:
     """`cfg` without its secrets: no token, the Redis URL without its password."""
     update: dict = {"inference": cfg.inference.model_copy(update={"token": None})}
     if cfg.streams.redis_url:
-        update["streams"] = cfg.streams.model_copy(update={"redis_url": redact_url(cfg.streams.redis_url, "")})
+        public_url = redact_url(cfg.streams.redis_url, "")
+        update["streams"] = cfg.streams.model_copy(update={"redis_url": public_url})
     return cfg.model_copy(update=update)
 
 

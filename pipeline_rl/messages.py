@@ -26,7 +26,9 @@ from inference_shim.protocol import VersionSpan
 class Sample(BaseModel):
     """One completion of a prompt, exactly as the server produced it (token ids, not re-tokenized text)."""
 
-    sample_id: str = Field(description="'<group_id>/<index>': unique over the whole run.")
+    sample_id: str = Field(
+        description="'<group_id>/<index>': unique over the whole run, across restarts (the ledger's key)."
+    )
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     completion_logprobs: list[float] = Field(description="Sampler logprob of each completion token.")
@@ -49,10 +51,14 @@ class RolloutGroup(BaseModel):
     """All `attempts` samples of one prompt (a GRPO group). Written only when complete."""
 
     kind: Literal["rollout_group"] = "rollout_group"
-    group_id: str = Field(description="'<actor_id>:<prompt_index>'.")
+    group_id: str = Field(
+        description="'<actor_id>-<incarnation>:<prompt_index>': a restarted actor starts its prompts at 0 "
+        "again, so the incarnation (random, per process start) keeps ids unique across restarts."
+    )
     task: str
     prompt_index: int
     actor_id: int
+    incarnation: str = Field("", description="The writing actor process's start nonce (in group_id too).")
     samples: list[Sample]
     metadata: dict[str, Any] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time)
@@ -106,6 +112,11 @@ class TrainingPackage(BaseModel):
     group_ids: list[str] = Field(
         default_factory=list,
         description="Every group of the whole batch (all ranks): a restarted preprocessor skips these.",
+    )
+    entry_ids: list[str] = Field(
+        default_factory=list,
+        description="The rollouts entry id of each group in group_ids (same order): a restarted "
+        "preprocessor tells a redelivered entry (same id: acked silently) from a duplicate (counted).",
     )
     created_at: float = Field(default_factory=time.time)
 

@@ -18,8 +18,15 @@ Ordering contract (each group is trained exactly once):
   at once. A crash inside 2 leaves an incomplete batch; trainers only train batch_ids present on every
   rank, so it is never trained, and the restarted preprocessor redoes its groups into a new batch. A crash
   between 2 and 3 leaves complete packages whose groups are still pending: on restart the preprocessor
-  reads the group_ids of its own packages on the last partition (written last, so complete) and acks
-  those groups instead of writing them twice.
+  reads the group_ids (and entry_ids) of its own packages on the last partition (written last, so
+  complete) and acks those entries instead of writing them twice. The trainer counts them as consumed
+  when it trains that batch, so acking them uncounted keeps the actors' gate arithmetic exact.
+  Duplicates: a second rollouts entry of a group this preprocessor already took (a different entry id
+  with the same group_id, e.g. a write retried after a lost reply) is acked and COUNTED as dropped
+  (reason duplicate): it is one more entry in the actors' written count W, so it must be one more in
+  their consumed count C, or their gate would never open again (pipeline_rl/actor/gate.py).
+  Ledger (pipeline_rl/ledger.py, <run_dir>/ledger/prep<index>-<boot>.jsonl): every sample dropped here
+  is appended with its reason before its group is acked or packed.
   Pending groups are never claimed by another preprocessor (claim_idle_s=None): a live preprocessor
   holds its groups unacked for as long as a batch takes to fill, so a claim would duplicate them. A
   dead preprocessor's groups wait, pending, until a preprocessor with the same --index reads the same
@@ -39,10 +46,12 @@ import signal
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig, load_run_config
+from pipeline_rl.ledger import DUPLICATE, MALFORMED, LedgerWriter
 from pipeline_rl.messages import (
     DeadLetter,
     PreprocessorProgress,
@@ -55,7 +64,7 @@ from pipeline_rl.messages import (
 from pipeline_rl.preprocess_ops import (
     PreprocessConfig,
     assign_partitions,
-    group_to_training_samples,
+    convert_group,
     pack_micro_batches,
 )
 from pipeline_rl.streams import (
@@ -77,6 +86,7 @@ READ_COUNT = 64  # most groups taken per read
 PROGRESS_EVERY_S = 1.0  # most frequent PreprocessorProgress (drops are published within this)
 HEARTBEAT_EVERY_S = 5.0  # progress + stats even when nothing changed
 RECOVER_EVENTS = 5000  # newest trainer_events searched for our own last totals after a restart
+SEEN_GROUPS = 200_000  # group ids remembered for duplicate detection (~100 bytes each)
 
 
 @dataclass
@@ -131,8 +141,12 @@ class Preprocessor:
         # Batch ids must never repeat, also across restarts (even within one millisecond): a random boot id.
         self._boot = uuid.uuid4().hex[:12]
         self._seq = 0
+        self.ledger = LedgerWriter(cfg.run_dir, f"{self.id}-{self._boot}")
         self.totals = self._recover_totals()
-        self._already_written = self._recover_written_groups()
+        # group_id -> rollouts entry id of every group taken (recent ones), or of our packages found at
+        # a restart (entry id None: a package written before packages carried entry ids).
+        self._seen: OrderedDict[str, str | None] = self._recover_written_groups()
+        self._recovered = set(self._seen)  # taken in a package before a restart, entry not acked yet
         self._published: tuple[int, int, int] | None = None
         self._last_publish = 0.0
 
@@ -142,6 +156,7 @@ class Preprocessor:
         while not stop.is_set():
             self.poll(block_s=1.0)
         self.publish(force=True)
+        self.ledger.close()
         log.info("%s: stopped with %d groups held (they stay pending for a restart)", self.id, len(self.held))
 
     def poll(self, block_s: float = 1.0) -> int:
@@ -163,30 +178,60 @@ class Preprocessor:
         if not isinstance(message, RolloutGroup):
             self._dead_letter(entry, f"expected a rollout_group on {ROLLOUTS}, got {message.kind}")
             return
-        if message.group_id in self._already_written:
-            # Written in a package before a crash that came before the ack: ack, never write twice.
-            log.info("%s: group %s was written before a restart; acking it", self.id, message.group_id)
+        group_id = message.group_id
+        if group_id in self._seen:
+            first_entry = self._seen[group_id]
+            if group_id in self._recovered and first_entry in (entry.id, None):
+                # Written in a package before a crash that came before the ack: ack, never write twice.
+                # Not counted: the trainer counts it as consumed when it trains that package.
+                log.info("%s: group %s was written before a restart; acking it", self.id, group_id)
+                self._recovered.discard(group_id)
+                self._seen[group_id] = entry.id
+                self.reader.ack([entry.id])
+                return
+            log.warning(
+                "%s: entry %s repeats group %s (first seen as entry %s): dropped as a duplicate",
+                self.id,
+                entry.id,
+                group_id,
+                first_entry,
+            )
+            self.ledger.dropped(DUPLICATE, [s.sample_id for s in message.samples], group=group_id)
+            self.totals.groups_in += 1
+            self.totals.groups_dropped += 1  # one more entry written, so one more consumed
             self.reader.ack([entry.id])
-            self._already_written.discard(message.group_id)
             return
+        self._remember(group_id, entry.id)
         self.totals.groups_in += 1
         try:
-            samples = group_to_training_samples(message, self.pcfg)
+            converted = convert_group(message, self.pcfg)
         except ValueError as err:  # malformed group (e.g. logprobs missing): bad data, not a crash
-            self._dead_letter(entry, str(err))
+            self.ledger.dropped(MALFORMED, [s.sample_id for s in message.samples], group=group_id)
+            self._dead_letter(entry, str(err), counted=True)
             return
-        if not samples:
+        by_reason: dict[str, list[str]] = {}
+        for sample_id, reason in converted.dropped.items():
+            by_reason.setdefault(reason, []).append(sample_id)
+        for reason, ids in by_reason.items():
+            self.ledger.dropped(reason, ids, group=group_id)  # before the ack / the package
+        if not converted.samples:
             # Dynamic sampling (all rewards equal) or nothing trainable: consumed, produces nothing.
             self.totals.groups_dropped += 1
             self.reader.ack([entry.id])
             return
-        self.held.append(_Held(entry.id, message, samples))
+        self.held.append(_Held(entry.id, message, converted.samples))
 
-    def _dead_letter(self, entry: Entry, error: str) -> None:
+    def _remember(self, group_id: str, entry_id: str) -> None:
+        self._seen[group_id] = entry_id
+        while len(self._seen) > SEEN_GROUPS:
+            self._seen.popitem(last=False)
+
+    def _dead_letter(self, entry: Entry, error: str, counted: bool = False) -> None:
         log.warning("%s: entry %s moved to %s: %s", self.id, entry.id, DEAD_LETTER, error)
         raw = json.dumps(entry.message.model_dump(mode="json"))[:4096]
         self.dead_letters.write(DeadLetter(topic=ROLLOUTS, stream_id=entry.id, error=error, raw=raw))
-        self.totals.groups_in += 1
+        if not counted:
+            self.totals.groups_in += 1
         self.totals.groups_dropped += 1  # consumed: actors must not wait for it
         self.reader.ack([entry.id])
 
@@ -212,6 +257,7 @@ class Preprocessor:
             batch_tokens=sum(sum(s.labels_mask) for s in samples),
             batch_groups=len(taken),
             group_ids=[h.group.group_id for h in taken],
+            entry_ids=[h.entry_id for h in taken],
         )
         # Partition order matters: the last partition is written last, so a package found there means
         # the whole batch is out (see the module docstring).
@@ -272,17 +318,19 @@ class Preprocessor:
                 return Totals(message.groups_in, message.groups_dropped, message.samples_out)
         return Totals()
 
-    def _recover_written_groups(self) -> set[str]:
-        """Group ids of our packages already on the last partition, if we restarted with pending groups."""
+    def _recover_written_groups(self) -> OrderedDict[str, str | None]:
+        """group_id -> entry id of our packages already on the last partition, if we restarted with
+        pending groups (entry id None for packages written without entry_ids)."""
+        written: OrderedDict[str, str | None] = OrderedDict()
         if not self.reader.pending().get(self.id):
-            return set()
+            return written
         reader = make_reader(self.cfg.streams, training_partition(self.num_ranks - 1))
-        written: set[str] = set()
         while entries := reader.read(count=256, block_s=0.0):
             for entry in entries:
                 package = entry.message
                 if isinstance(package, TrainingPackage) and package.batch_id.startswith(f"{self.id}:"):
-                    written.update(package.group_ids)
+                    entry_ids = package.entry_ids or [None] * len(package.group_ids)
+                    written.update(zip(package.group_ids, entry_ids, strict=True))
         if written:
             log.info(
                 "%s: %d groups of ours were already written; pending ones are acked", self.id, len(written)

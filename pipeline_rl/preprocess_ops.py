@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline_rl.ledger import FILTERED, TOO_LONG, UNTRAINABLE
 from pipeline_rl.messages import RolloutGroup, Sample, TrainingSample
 
 PADDING_PREFIX = "padding/"
@@ -125,7 +126,8 @@ def _check_sample(sample: Sample) -> None:
 
 def _to_training_sample(
     sample: Sample, group: RolloutGroup, advantage: float, group_reward_mean: float, cfg: PreprocessConfig
-) -> TrainingSample | None:
+) -> TrainingSample | str:
+    """The sample ready for the trainer, or the ledger reason it is dropped (too_long, untrainable)."""
     _check_sample(sample)
     prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
     p, c = len(prompt), len(completion)
@@ -148,12 +150,13 @@ def _to_training_sample(
 
     if len(input_ids) > cfg.seq_length:
         if cfg.overlong == "drop":
-            return None
+            return TOO_LONG
         keep = cfg.seq_length
         input_ids, labels_mask, advantages = input_ids[:keep], labels_mask[:keep], advantages[:keep]
         old_logprobs, token_versions = old_logprobs[:keep], token_versions[:keep]
     if not any(labels_mask):
-        return None  # nothing to train on (e.g. the prompt alone fills seq_length)
+        # Nothing to train on: the prompt alone fills seq_length, or no completion id is in the vocabulary.
+        return TOO_LONG if len(prompt) >= cfg.seq_length else UNTRAINABLE
 
     return TrainingSample(
         sample_id=sample.sample_id,
@@ -170,8 +173,19 @@ def _to_training_sample(
     )
 
 
+@dataclass
+class ConvertedGroup:
+    samples: list[TrainingSample]
+    dropped: dict[str, str]  # sample_id -> ledger reason, for every sample of the group not in `samples`
+
+
 def group_to_training_samples(group: RolloutGroup, cfg: PreprocessConfig) -> list[TrainingSample]:
-    """TrainingSamples of one group, or [] when dynamic sampling drops it.
+    """TrainingSamples of one group, or [] when dynamic sampling drops it (convert_group says why)."""
+    return convert_group(group, cfg).samples
+
+
+def convert_group(group: RolloutGroup, cfg: PreprocessConfig) -> ConvertedGroup:
+    """TrainingSamples of one group, and the reason for each sample left out (ValueError if malformed).
 
     input_ids are prompt + completion ids exactly as the server returned them. Rewards are shaped by the
     overlong punishment (if on) before advantages and before the all-equal test. Samples that end up with
@@ -180,14 +194,18 @@ def group_to_training_samples(group: RolloutGroup, cfg: PreprocessConfig) -> lis
     """
     rewards = [s.reward + overlong_penalty(len(s.completion_token_ids), cfg) for s in group.samples]
     if cfg.drop_all_equal_groups and (not rewards or max(rewards) == min(rewards)):
-        return []
+        for sample in group.samples:
+            _check_sample(sample)  # a malformed group is malformed, whatever its rewards
+        return ConvertedGroup([], dict.fromkeys((s.sample_id for s in group.samples), FILTERED))
     advantages = group_advantages(rewards, cfg)
     reward_mean = math.fsum(s.reward for s in group.samples) / max(len(group.samples), 1)
-    out = []
+    out = ConvertedGroup([], {})
     for sample, advantage in zip(group.samples, advantages, strict=True):
         ts = _to_training_sample(sample, group, advantage, reward_mean, cfg)
-        if ts is not None:
-            out.append(ts)
+        if isinstance(ts, str):
+            out.dropped[sample.sample_id] = ts
+        else:
+            out.samples.append(ts)
     return out
 
 

@@ -7,9 +7,11 @@ State every backend keeps (set once, in Backend.__init__):
   version          the weight version served; advanced only by an applied update
   pending          the version being received or applied, None when idle (one update at a time)
   group, store     the joined weight group (GroupState) and the shim's client of the trainer's TCPStore
+  token            the server's --token: signs the store values it writes, verifies the ones it reads
   last_update      timings of the last applied update
   last_error       the most recent failure (join or update), cleared by the next applied update
-  unhealthy        set when weights may be partially applied: /health answers 503 until a restart
+  unhealthy        set when weights may be partially applied (or the engine was left paused): /health
+                   and generation answer 503 (error code unhealthy_error) until a restart
   paused, in_flight, updates_applied
 
 The lifecycle (template methods here; engines fill in the hooks named in brackets):
@@ -21,8 +23,11 @@ The lifecycle (template methods here; engines fill in the hooks named in bracket
                            [_wait_received] (trainer's "go", buckets staged where the engine can stage)
                            -> [_pause] -> [_apply] -> [_set_version_label] -> [_reset_cache] -> [_resume]
                            -> publish the version -> write the result key for the trainer.
-                         On failure: record it (unhealthy if weights may be mixed), [_discard], write
-                         the failed result key.
+                         Every step from the pause to the resume shares one deadline (timeout_s), so a
+                         stuck engine call fails the update instead of leaving it pending forever.
+                         On failure: record it (unhealthy if weights may be mixed); if weights may be
+                         mixed, [_abort_in_flight] (no token of the mix reaches a client); [_resume]
+                         (bounded); [_discard]; write the failed result key.
   destroy_process_group  [_leave_group]
 """
 
@@ -122,6 +127,9 @@ class Backend(abc.ABC):
         self.last_update: UpdateTimings | None = None
         self.last_error: str | None = None
         self.unhealthy: str | None = None
+        self.unhealthy_error = "weights_incomplete"  # the 503's error code while `unhealthy` is set
+        # Token ids a prompt may hold are [0, vocab_size); None: the engine checks them itself.
+        self.vocab_size: int | None = None
         self.paused = False
         self.updates_applied = 0
         self.in_flight = 0
@@ -196,6 +204,11 @@ class Backend(abc.ABC):
         """A failed update: drop whatever was staged for it."""
         return None
 
+    async def _abort_in_flight(self) -> None:
+        """Weights may be mixed (still paused): end every in-flight request now, so that none of them
+        decodes a token with them; their clients get 503 (check_can_generate in generate)."""
+        return None
+
     def _partially_applied(self, applying: bool) -> bool:
         """After a failure: may the engine hold a mix of old and new weights? `applying` says whether the
         failure came between the pause and the resume."""
@@ -211,6 +224,14 @@ class Backend(abc.ABC):
 
         if self.group is not None:
             raise ContractError(409, "already_joined", "call POST /destroy_process_group first")
+        workers = self.capabilities().workers
+        if req.rank_offset + workers > req.world_size:
+            raise ContractError(
+                422,
+                "invalid_request",
+                f"ranks {req.rank_offset}..{req.rank_offset + workers - 1} of this server ({workers} "
+                f"workers) do not fit world_size {req.world_size}",
+            )
         start = time.monotonic()
         try:
             # Reaching the store first proves the trainer is there before any engine is asked to join
@@ -268,37 +289,59 @@ class Backend(abc.ABC):
     async def _run_update(self, req: WeightUpdateRequest, group: GroupState, store: Any) -> None:
         """The background half of an update; always ends by writing the result key the trainer waits on."""
         result = UpdateResult(server_id=group.server_id, version=req.version, ok=False)
-        applying = False
+        paused = applying = False
         try:
             await self._wait_received(req, result)
             paused_at = time.perf_counter()
-            applying = True
-            try:
-                self.paused = True
-                await self._pause()
-                await self._apply(req, result)
-                await self._set_version_label(req.version)
-                await self._reset_cache()
-            finally:
-                await self._resume()
-                self.paused = False
-            applying = False
+            deadline = time.monotonic() + req.timeout_s  # the contract's "then again for applying"
+            paused = self.paused = True
+            await _within(deadline, "pausing generation", self._pause())
+            applying = True  # from here until the resume, the engine may hold a mix of weights
+            await _within(deadline, "applying the weights", self._apply(req, result))
+            await _within(deadline, "setting the version label", self._set_version_label(req.version))
+            await _within(deadline, "resetting the prefix cache", self._reset_cache())
+            await _within(deadline, "resuming generation", self._resume())
+            paused = applying = self.paused = False
             result.pause_seconds = time.perf_counter() - paused_at
             self._publish_update(result)
         except BaseException as e:
-            self._record_failed_update(result, e, partially_applied=self._partially_applied(applying))
-            try:
-                await self._discard()
-            except Exception:
-                log.exception("discarding staged weights failed")
-            if isinstance(e, asyncio.CancelledError):
+            partial = self._partially_applied(applying)
+            self._record_failed_update(result, e, partially_applied=partial)
+            if isinstance(e, asyncio.CancelledError):  # shutting down: no engine call may block it
                 raise
+            await self._recover(paused, partial, req.timeout_s)
         finally:
             self.pending = None
             if store is not None:
                 key = result_key(group.group_name, req.update_id, group.server_id)
                 value = sign_value(self.token, key, result.model_dump_json())
                 await asyncio.to_thread(store.set, key, value)
+
+    async def _recover(self, paused: bool, partial: bool, timeout_s: float) -> None:
+        """After a failed update: never let a mixed engine answer, never leave it paused, drop staging.
+        Each step is bounded; a step that fails is logged and the next one still runs."""
+        deadline_s = min(timeout_s, RECOVERY_STEP_S)
+        if partial:
+            try:
+                await _within(
+                    time.monotonic() + deadline_s, "aborting in-flight requests", self._abort_in_flight()
+                )
+            except Exception:
+                log.exception("aborting in-flight requests after a failed apply failed")
+        if paused:
+            # Also after a pause that timed out: the engine may pause once our deadline has passed.
+            try:
+                await _within(time.monotonic() + deadline_s, "resuming generation", self._resume())
+                self.paused = False
+            except Exception as e:
+                log.exception("resuming generation after a failed update failed")
+                if not self.unhealthy:
+                    self.unhealthy_error = "engine_paused"
+                    self.unhealthy = f"generation may be left paused after a failed update ({short(e)}); restart the server"
+        try:
+            await _within(time.monotonic() + deadline_s, "discarding staged weights", self._discard())
+        except Exception:
+            log.exception("discarding staged weights failed")
 
     def _publish_update(self, result: UpdateResult) -> None:
         """An update was applied: serve its version, record its timings, forget the last failure."""
@@ -324,7 +367,25 @@ class Backend(abc.ABC):
         log.error(self.last_error)
         self.metrics.updates.labels(result="error").inc()
         if partially_applied:
+            self.unhealthy_error = "weights_incomplete"
             self.unhealthy = f"weights may be partially applied (version {result.version}): {result.error}; restart the server"
+
+    # ------------------------------------------------------------------ generation guards
+    def check_can_generate(self) -> None:
+        """Raise 503 while this server must not generate: its weights may be a mix of two versions
+        (weights_incomplete) or its engine may be stuck paused. Called before a request starts and on
+        every engine output, so not even a request in flight across the failure gets such a token."""
+        if self.unhealthy:
+            raise ContractError(503, self.unhealthy_error, self.unhealthy)
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """A prompt given as token ids must hold ids of this model's vocabulary (422 otherwise)."""
+        bad = [t for t in token_ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            limit = f"[0, {self.vocab_size})" if self.vocab_size is not None else ">= 0"
+            raise ContractError(
+                422, "invalid_request", f"prompt token id {bad[0]} is outside the vocabulary {limit}"
+            )
 
     # ------------------------------------------------------------------ introspection, tokenizer
     def debug_state(self) -> DebugState:
@@ -352,6 +413,28 @@ class Backend(abc.ABC):
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+# Deadline of each recovery step after a failed update (abort in-flight requests, resume, discard).
+RECOVERY_STEP_S = 30.0
+
+
+class StepTimeout(TimeoutError):
+    """An engine call of the update sequence passed its deadline."""
+
+
+async def _within(deadline: float, what: str, step: Any) -> Any:
+    """Await `step` (a coroutine) until the monotonic `deadline`; on expiry cancel it and raise
+    StepTimeout naming the step."""
+    left = deadline - time.monotonic()
+    try:
+        return await asyncio.wait_for(step, timeout=max(left, 0.0))
+    except TimeoutError as e:
+        if time.monotonic() < deadline:
+            raise  # the step's own TimeoutError, not our deadline
+        if left <= 0:
+            raise StepTimeout(f"no time was left for {what} (the update's timeout_s was spent)") from e
+        raise StepTimeout(f"{what} did not finish within {left:.1f} s (the update's timeout_s)") from e
 
 
 def served_name(model_dir: str, served_model_name: str | None) -> str:

@@ -143,7 +143,7 @@ class CaptureBackend(Backend):
         group = self._weight_group
         args = (group, req.version, req.update_id, req.tensors, req.bucket_bytes, req.timeout_s)
         self._staged = None
-        self._receiving = _in_daemon_thread(receive_update, *args)
+        self._receiving = _in_daemon_thread(lambda: receive_update(*args, token=self.token))
 
     async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
         receipt: WorkerReceipt
@@ -173,14 +173,14 @@ def _cannot_generate() -> ContractError:
     return ContractError(501, "not_supported", "the capture backend receives weights; it cannot generate")
 
 
-def _in_daemon_thread(fn, *args) -> asyncio.Future:
-    """fn(*args) in a daemon thread (never raising): a receive blocked on a trainer that went away must
+def _in_daemon_thread(fn) -> asyncio.Future:
+    """fn() in a daemon thread (never raising): a receive blocked on a trainer that went away must
     not hold up the shim's exit, as a thread of asyncio's default executor would."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
     def run() -> None:
-        result = fn(*args)
+        result = fn()
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 

@@ -56,6 +56,7 @@ from inference_shim.protocol import (
     WeightUpdateRequest,
     decision_key,
     plan_buckets,
+    verify_decision,
 )
 
 __all__ = ["SglangBackend", "SglangOptions"]
@@ -259,7 +260,8 @@ class SglangBackend(Backend):
         # SGLang cannot stage: "received" here only means the trainer decided "go"; _apply receives.
         key = decision_key(self.group.group_name, req.update_id)
         await asyncio.to_thread(self.store.wait, [key], dt.timedelta(seconds=req.timeout_s))
-        decision = (await asyncio.to_thread(self.store.get, key)).decode()
+        value = await asyncio.to_thread(self.store.get, key)
+        decision = verify_decision(self.token, key, value, req.version)  # unsigned: refused, nothing loaded
         if decision != "go":
             raise RuntimeError(f"trainer decided {decision!r} for version {req.version}")
 

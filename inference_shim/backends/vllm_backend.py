@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from inference_shim.backends.base import (
     Backend,
     ChoiceDelta,
+    ContractError,
     SamplingRequest,
     prompt_room,
     served_name,
@@ -44,6 +45,7 @@ from inference_shim.protocol import (
     WeightUpdateRequest,
     WorkerReceipt,
     received_key,
+    verify_value,
 )
 
 WORKER_EXTENSION = "inference_shim.vllm_worker.WeightReceiverExtension"
@@ -81,6 +83,7 @@ class VllmBackend(Backend):
         self.options = options
         self.engine = None
         self.workers = options.tensor_parallel_size
+        self._request_ids: set[str] = set()  # in flight: what _abort_in_flight ends
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -114,6 +117,8 @@ class VllmBackend(Backend):
             name: (engine_dtype, shape) for name, (_, shape) in checkpoint_tensor_table(o.model).items()
         }
         self.workers = self.engine.vllm_config.parallel_config.world_size
+        # The ids a prompt may hold: vLLM's own bound (the larger of the model's and the tokenizer's).
+        self.vocab_size = max(self.engine.model_config.get_vocab_size(), len(self.tokenizer))
 
     async def _stop_engine(self) -> None:
         if self.engine is not None:
@@ -154,30 +159,38 @@ class VllmBackend(Backend):
         self, prompt_ids: list[int], params: SamplingRequest, stream: bool
     ) -> AsyncIterator[list[ChoiceDelta]]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         room = prompt_room(prompt_ids, self.options.max_model_len)
-        sampling = SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else 0,
-            seed=params.seed,
-            stop=params.stop or None,
-            max_tokens=min(params.max_tokens or room, room),
-            logprobs=params.top_logprobs,
-            ignore_eos=params.ignore_eos,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        )
+        try:
+            sampling = SamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else 0,
+                seed=params.seed,
+                stop=params.stop or None,
+                max_tokens=min(params.max_tokens or room, room),
+                logprobs=params.top_logprobs,
+                ignore_eos=params.ignore_eos,
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            )
+        except VLLMClientError as e:  # vLLM's own checks of the parameters (e.g. an empty stop string)
+            raise ContractError(400, "invalid_request", str(e)) from e
         request_id = uuid.uuid4().hex
         self.in_flight += 1
+        self._request_ids.add(request_id)
         self.metrics.in_flight.set(self.in_flight)
         final: list[ChoiceDelta] = []
         try:
             async for output in self.engine.generate(
                 TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id
             ):
+                # An apply that failed mid-way ended this request (_abort_in_flight): answer 503, never
+                # a completion that a mix of weights may have touched.
+                self.check_can_generate()
                 deltas = [self._delta(o, params.top_logprobs) for o in output.outputs]
                 self.metrics.generated_tokens.inc(sum(len(d.token_ids) for d in deltas))
                 if stream:
@@ -186,8 +199,11 @@ class VllmBackend(Backend):
                     final = deltas
             if not stream:
                 yield final
+        except VLLMClientError as e:  # vLLM's own request validation (e.g. a token id it refuses)
+            raise ContractError(400, "invalid_request", str(e)) from e
         finally:
             self.in_flight -= 1
+            self._request_ids.discard(request_id)
             self.metrics.in_flight.set(self.in_flight)
 
     def _delta(self, o, top_k: int) -> ChoiceDelta:
@@ -221,7 +237,10 @@ class VllmBackend(Backend):
         args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend)
         ranks = await asyncio.wait_for(
             self.engine.collective_rpc(
-                "pr_init_group", timeout=timeout_s + 5, args=(*args, req.group_name, timeout_s)
+                "pr_init_group",
+                timeout=timeout_s + 5,
+                # The token rides the engine's in-process IPC: worker processes never see it in argv.
+                args=(*args, req.group_name, timeout_s, self.token),
             ),
             timeout=timeout_s + 5,
         )
@@ -242,7 +261,10 @@ class VllmBackend(Backend):
         # Every worker writes a WorkerReceipt once it staged all buckets (or failed); decoding went on.
         keys = [received_key(self.group.group_name, req.update_id, r) for r in self.group.ranks]
         await asyncio.to_thread(self.store.wait, keys, dt.timedelta(seconds=req.timeout_s))
-        receipts = [WorkerReceipt.model_validate_json(self.store.get(k)) for k in keys]
+        # A receipt must be signed by our own worker: a forged "ok" would apply weights never staged.
+        receipts = [
+            WorkerReceipt.model_validate_json(verify_value(self.token, k, self.store.get(k))) for k in keys
+        ]
         failed = [r for r in receipts if not r.ok]
         if failed:
             raise RuntimeError(f"worker rank {failed[0].rank}: {failed[0].error}")
@@ -270,3 +292,8 @@ class VllmBackend(Backend):
 
     async def _discard(self) -> None:
         await self.engine.collective_rpc("pr_discard", timeout=30)
+
+    async def _abort_in_flight(self) -> None:
+        # vLLM ends each aborted request's stream with a final output; generate() then answers 503.
+        if self._request_ids:
+            await self.engine.abort(list(self._request_ids))

@@ -10,6 +10,11 @@ request with n=attempts, or one request per sample) on the server the router pic
 (pipeline_rl/actor/router.py), grades them (tasks.Grader, never on the event loop for slow graders),
 and writes ONE RolloutGroup once every sample is in. Nothing partial is ever written, so a group is
 written once; a failed request is retried on another server and its partial result never used.
+
+Ids: every process start draws a random incarnation, so group ids '<index>-<incarnation>:<prompt_index>'
+never repeat although a restarted actor walks its prompts from 0 again. Before a group goes to the
+stream, its sample ids are appended to the run's ledger (<run_dir>/ledger/actor<index>-<incarnation>.jsonl,
+pipeline_rl/ledger.py) as generated.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,6 +36,7 @@ from pipeline_rl.actor.errors import ActorError, TrainerStalled
 from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
 from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
 from pipeline_rl.config import RunConfig
+from pipeline_rl.ledger import LedgerWriter
 from pipeline_rl.messages import RolloutGroup, Sample, StatsRecord
 from pipeline_rl.streams import ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
 from pipeline_rl.tasks import Grader, Problem, compute_reward, make_task
@@ -116,6 +123,9 @@ class Actor:
         if not cfg.inference.urls:
             raise ActorError("inference.urls is empty: the launcher fills it, or set it to running servers")
         self.cfg, self.index, self.stop, self.max_groups = cfg, actor_index, stop, max_groups
+        # 48 random bits per process start: ids of two lives of one actor collide with odds ~2^-48.
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.ledger: LedgerWriter | None = None  # opened in run(): constructing an Actor writes nothing
         self.limits = GateLimits.from_config(cfg)
         self.task = make_task(cfg.task)
         self.summary = ActorSummary()
@@ -141,6 +151,7 @@ class Actor:
         start = time.monotonic()
         self.grader = Grader.from_config(self.task, self.cfg.task)
         events = make_reader(self.cfg.streams, TRAINER_EVENTS)
+        self.ledger = LedgerWriter(self.cfg.run_dir, f"actor{self.index}-{self.incarnation}")
         groups: set[asyncio.Task] = set()
         helpers: list[asyncio.Task] = []
         try:
@@ -180,6 +191,7 @@ class Actor:
             with contextlib.suppress(Exception):  # a last record must never mask the real error
                 await asyncio.to_thread(self.stats.write, self._stats_record())
             self.grader.close()
+            self.ledger.close()
             for server in self.router.servers:
                 await server.client.aclose()
         return self.summary
@@ -263,7 +275,7 @@ class Actor:
         done = await asyncio.gather(*(self._generate(problem.messages, n) for n in parts))
         completions = [c for part in done for c in part]
         grades = await asyncio.gather(*(self.grader.grade_async(problem, c.text) for c in completions))
-        group_id = f"{self.index}:{problem.prompt_index}"
+        group_id = f"{self.index}-{self.incarnation}:{problem.prompt_index}"
         samples = [
             Sample(
                 sample_id=f"{group_id}/{i}",
@@ -285,6 +297,7 @@ class Actor:
             task=self.task.name,
             prompt_index=problem.prompt_index,
             actor_id=self.index,
+            incarnation=self.incarnation,
             samples=samples,
             metadata={
                 **problem.metadata,
@@ -295,6 +308,8 @@ class Actor:
             },
         )
         async with self.write_lock:  # one writer call at a time (the Writer is not thread-safe)
+            # Ledger first: a kill between the two leaves "generated, in flight", never an unknown id.
+            self.ledger.generated(group_id, [s.sample_id for s in samples])
             await asyncio.to_thread(self.rollouts.write, group)
         self.in_flight_versions[start_version] -= 1
         if not self.in_flight_versions[start_version]:

@@ -6,6 +6,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
     pipeline-rl bench pipeline-vs-sync     # 3. pipelined vs synchronous RL (pipeline_rl/bench/pipeline_vs_sync.py)
     pipeline-rl bench streams              # 4. per-sample cost of the stream path vs raw Redis
     pipeline-rl bench shim                 # 5. shim vs vLLM's own OpenAI server, 1/8/64 concurrent
+    pipeline-rl bench multihost            # 6. push fan-out to 1/2/4 simulated hosts over shaped links (root)
     pipeline-rl bench all                  # every one, in that order, sharing servers
     pipeline-rl bench inflight streams     # several, sharing servers
     pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
@@ -53,6 +54,12 @@ def _shim(ctx: BenchContext) -> dict:
     return shim.run(ctx)
 
 
+def _multihost(ctx: BenchContext) -> dict:
+    from pipeline_rl.bench import multihost
+
+    return multihost.run(ctx)
+
+
 def _pipeline_vs_sync(ctx: BenchContext) -> dict:
     from pipeline_rl.bench import pipeline_vs_sync
 
@@ -65,6 +72,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "pipeline-vs-sync": _pipeline_vs_sync,
     "streams": _streams,
     "shim": _shim,
+    "multihost": _multihost,
 }
 
 
@@ -111,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--sizes", default=None, help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py)"
     )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
+    g = p.add_argument_group("multihost")
+    g.add_argument("--hosts", default=None, help="numbers of server hosts to push to, e.g. 1,2,4")
+    g.add_argument("--rates", default=None, help="link rates (tbf), e.g. 1gbit,10gbit")
+    g.add_argument("--chunk-kib", type=int, default=None, help="chunk size of the chain relay")
     g = p.add_argument_group("inflight, streams, shim")
     g.add_argument(
         "--model", default=None, help="model size for generation (default 10mb; tiny with --quick)"
@@ -137,6 +149,9 @@ def _options(args: argparse.Namespace) -> dict:
         "server_env": args.server_env,
         "kv_after_update": args.kv_after_update,
         "trainer_threads": args.trainer_threads,
+        "hosts": ints(args.hosts),
+        "rates": args.rates.split(",") if args.rates else None,
+        "chunk_kib": args.chunk_kib,
     }
     return {k: v for k, v in options.items() if v is not None}
 

@@ -4,6 +4,7 @@
     pipeline-rl launch trainer.max_steps=50 actor.num_actors=2 inference.num_servers=2
     pipeline-rl launch --dry-run                         # print the plan, start nothing
     pipeline-rl launch --roles servers inference.urls=[] # only some roles (debugging, multi-node)
+    pipeline-rl launch --dry-run platform=gpu placement.num_gpus=4 trainer.num_processes=2 inference.num_servers=2
 
 Order, each step with a deadline: resolve + validate config -> run directory (config.json, command
 files, placement map) -> Redis (private unless streams.redis_url) -> inference servers (healthy) ->
@@ -11,6 +12,12 @@ baseline evaluation -> trainer ranks (joined the weight group of every server) -
 actors -> supervise until the trainer finishes (or max_wall_s) -> final evaluation -> stop everything
 -> summary + plots. If any child dies, the launcher names it, prints the tail of its log, stops the
 rest and exits non-zero. SIGINT/SIGTERM stop every process (engine workers included) within seconds.
+
+Exposure: every listener of a single-host run is on 127.0.0.1 (servers, Redis, the trainer's
+rendezvous store and gloo sockets, vLLM's internal groups). Secrets (the control-route token, the
+Redis password) live in <run_dir>/secrets/ (0700; files 0600), reach children through
+`load_run_config` or the child's environment, and never appear in argv, config.json, cmd/*.sh or logs.
+Pass a token of your own as $PIPELINE_RL_TOKEN rather than inference.token=... (argv is public).
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ import json
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 from inference_shim.procs import free_port, serve_argv
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import RunConfig, public_config, secret_fields
 from pipeline_rl.launch.compose import ConfigError, compose
 from pipeline_rl.launch.processes import (
     Child,
@@ -37,6 +46,8 @@ from pipeline_rl.launch.processes import (
     wait_all_healthy,
     write_command_file,
 )
+from pipeline_rl.streams.config import redact_url
+from pipeline_rl.streams.redis_server import write_private
 
 ROLES = ("redis", "servers", "trainer", "preprocessors", "actors")
 PY = sys.executable
@@ -68,30 +79,110 @@ def place_cores(cfg: RunConfig) -> dict[str, list[int] | None]:
     return placement
 
 
+def visible_gpus(cfg: RunConfig) -> list[str]:
+    """The GPUs this node may use: placement.num_gpus, else CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`."""
+    if cfg.placement.num_gpus is not None:
+        return [str(i) for i in range(cfg.placement.num_gpus)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        # Entries may be indices or UUIDs; children get the same spelling, so a restricted launcher
+        # (CUDA_VISIBLE_DEVICES=2,3) hands out GPUs 2 and 3, not 0 and 1.
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def place_gpus(cfg: RunConfig, roles: set[str], gpus: list[str]) -> dict[str, list[str]]:
+    """GPU map of this node: trainer ranks on the first GPUs, then one GPU per server, all disjoint.
+
+    Only the roles this node runs count (a servers-only node gives server i the i-th GPU). Fewer GPUs
+    than trainer ranks + servers is a ConfigError saying what to change, unless placement.colocate
+    lets the servers wrap around onto the trainer's GPUs (then they share memory with it).
+    """
+    ranks = cfg.trainer.num_processes if "trainer" in roles else 0
+    servers = cfg.inference.num_servers if "servers" in roles else 0
+    if ranks + servers == 0:
+        return {}
+    if not gpus:
+        raise ConfigError(
+            "platform=gpu but this node has no visible GPU (CUDA_VISIBLE_DEVICES, nvidia-smi -L): use "
+            "platform=cpu, or set placement.num_gpus=N to plan for N GPUs (e.g. with --dry-run)"
+        )
+    if ranks > len(gpus):
+        raise ConfigError(
+            f"trainer.num_processes={ranks} needs {ranks} GPUs, this node has {len(gpus)}: "
+            f"lower trainer.num_processes to at most {len(gpus)}"
+        )
+    if ranks + servers > len(gpus) and not cfg.placement.colocate:
+        raise ConfigError(
+            f"{ranks} trainer rank(s) + {servers} server(s) need {ranks + servers} GPUs for one each, this "
+            f"node has {len(gpus)}: lower trainer.num_processes or inference.num_servers, or set "
+            "placement.colocate=true to let servers share the trainer's GPUs"
+        )
+    placement = {"trainer": gpus[:ranks]} if ranks else {}
+    for i in range(servers):
+        placement[f"server{i}"] = [gpus[(ranks + i) % len(gpus)]]
+    return placement
+
+
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def single_host_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment that keeps the sockets of torch.distributed and vLLM on loopback for a one-node run.
+
+    Without it gloo and vLLM bind the address the host name resolves to (a LAN address on most
+    machines). Multi-node runs (a server URL that is not loopback) keep the caller's settings, and so
+    does a caller who set these variables.
+    """
+    if not all(_loopback(u) for u in cfg.inference.urls):
+        return {}
+    wanted = {"GLOO_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+    return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
 def plan(cfg: RunConfig, run_dir: Path, roles: set[str]) -> list[ProcessSpec]:
+    """The processes of this node, with their argv, environment, cores and GPUs (ConfigError if the
+    GPUs do not fit)."""
     from pipeline_rl.trainer.launch_cmd import trainer_command
 
     config_path = str(run_dir / "config.json")
     placement = place_cores(cfg)
+    on_gpu = cfg.inference.weight_transport == "nccl"
+    gpu_map = place_gpus(cfg, roles, visible_gpus(cfg)) if on_gpu else {}
+    local = single_host_env(cfg)
     specs: list[ProcessSpec] = []
     if "servers" in roles:
         for i, url in enumerate(cfg.inference.urls):
-            port = int(url.rsplit(":", 1)[1])
+            host, port = urlsplit(url).hostname, urlsplit(url).port
             cores = placement.get(f"server{i}")
             env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} if cores else {}
-            if cfg.inference.weight_transport == "nccl":
-                env["CUDA_VISIBLE_DEVICES"] = str(i)
+            env.update(local)
+            gpus = gpu_map.get(f"server{i}")
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
             engine = ["--dtype", cfg.inference.dtype, "--max-model-len", str(cfg.inference.max_model_len)]
             engine += ["--max-num-seqs", str(cfg.inference.max_num_seqs), "--seed", str(cfg.seed + i)]
             engine += ["--kv-after-update", cfg.inference.kv_after_update]
-            argv = serve_argv(cfg.model_path, port, backend=cfg.inference.backend, extra=engine)
+            # The server listens on exactly the address of its URL, never on every interface.
+            argv = serve_argv(cfg.model_path, port, host=host, backend=cfg.inference.backend, extra=engine)
             # The token travels in the environment, not in argv, where any user could read it with ps.
-            env["PIPELINE_RL_TOKEN"] = cfg.inference.token or ""
-            specs.append(ProcessSpec(f"server{i}", "servers", argv, env, cores, port, url))
+            secret_env = {"PIPELINE_RL_TOKEN": cfg.inference.token or ""}
+            specs.append(ProcessSpec(f"server{i}", "servers", argv, env, cores, port, url, gpus, secret_env))
     if "trainer" in roles:
         cores = placement.get("trainer")
         env = {"OMP_NUM_THREADS": str(len(cores))} if cores else {}
-        specs.append(ProcessSpec("trainer", "trainer", trainer_command(cfg, config_path), env, cores))
+        env.update(local)
+        gpus = gpu_map.get("trainer")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        argv = trainer_command(cfg, config_path)
+        specs.append(ProcessSpec("trainer", "trainer", argv, env, cores, gpus=gpus))
     if "preprocessors" in roles:
         for i in range(cfg.num_preprocessors):
             argv = [PY, "-m", "pipeline_rl.cli", "preprocess", "--config", config_path, "--index", str(i)]
@@ -111,7 +202,8 @@ def resolve(cfg: RunConfig, run_dir: Path, roles: set[str]) -> RunConfig:
         inference.urls = [f"http://127.0.0.1:{free_port()}" for _ in range(inference.num_servers)]
     elif len(inference.urls) != inference.num_servers:
         inference.num_servers = len(inference.urls)
-    inference.token = inference.token or secrets.token_hex(16)
+    # $PIPELINE_RL_TOKEN before a generated one: a token given as inference.token=... sits in argv.
+    inference.token = inference.token or os.environ.get("PIPELINE_RL_TOKEN") or secrets.token_hex(16)
     updates["inference"] = inference
     if cfg.streams.backend == "files" and cfg.streams.files_dir is None:
         updates["streams"] = cfg.streams.model_copy(update={"files_dir": run_dir / "streams"})
@@ -128,14 +220,14 @@ def print_plan(cfg: RunConfig, specs: list[ProcessSpec], run_dir: Path, status_p
     print(
         f"mode: {cfg.mode}   model: {cfg.model_path}   streams: {cfg.streams.backend}   engine: {cfg.inference.backend}"
     )
-    print(f"{'process':<16}{'role':<15}{'cores':<10}{'port':<8}command")
+    print(f"{'process':<16}{'role':<15}{'cores':<10}{'gpus':<8}{'port':<8}command")
     if cfg.streams.backend == "redis":
-        print(
-            f"{'redis':<16}{'redis':<15}{'-':<10}{'-':<8}{cfg.streams.redis_url or 'private redis-server (free port)'}"
-        )
+        where = redact_url(cfg.streams.redis_url) if cfg.streams.redis_url else "private redis-server"
+        print(f"{'redis':<16}{'redis':<15}{'-':<10}{'-':<8}{'-':<8}{where}")
     for spec in specs:
         cores = ",".join(map(str, spec.cores)) if spec.cores else "-"
-        print(f"{spec.name:<16}{spec.role:<15}{cores:<10}{spec.port or '-'!s:<8}cmd/{spec.name}.sh")
+        gpus = ",".join(spec.gpus) if spec.gpus else "-"
+        print(f"{spec.name:<16}{spec.role:<15}{cores:<10}{gpus:<8}{spec.port or '-'!s:<8}cmd/{spec.name}.sh")
     if status_port:
         print(f"status: curl -s http://127.0.0.1:{status_port}/status")
 
@@ -196,17 +288,24 @@ class Launcher:
         if "redis" in self.roles and cfg.streams.backend == "redis" and not cfg.streams.redis_url:
             from pipeline_rl.streams import RedisServer
 
-            self.redis = RedisServer(data_dir=self.run_dir / "redis").start()
+            self.redis = RedisServer(data_dir=self.run_dir / "redis", host=cfg.streams.redis_bind).start()
             cfg = cfg.model_copy(
                 update={"streams": cfg.streams.model_copy(update={"redis_url": self.redis.url})}
             )
-            self.cfg = cfg
-        (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        # Secrets go to secrets/ (0700, files 0600); config.json and cmd/*.sh stay free of them.
+        secrets_dir = self.run_dir / "secrets"
+        secrets_dir.mkdir(exist_ok=True)
+        secrets_dir.chmod(0o700)
+        secrets_file = secrets_dir / "run.json"
+        write_private(secrets_file, json.dumps(secret_fields(cfg), indent=2) + "\n")
+        cfg = cfg.model_copy(update={"secrets_file": str(secrets_file)})
+        self.cfg = cfg
+        (self.run_dir / "config.json").write_text(public_config(cfg).model_dump_json(indent=2) + "\n")
         specs = plan(cfg, self.run_dir, self.roles)
         (self.run_dir / "cmd").mkdir(exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for spec in specs:
-            write_command_file(spec, env, self.run_dir / "cmd" / f"{spec.name}.sh")
+            write_command_file(spec, env, self.run_dir / "cmd" / f"{spec.name}.sh", secrets_dir)
         print_plan(cfg, specs, self.run_dir, status_port)
         self.monitor = RunMonitor(cfg, self.run_dir)
         self.status_server = serve_status(status_port, lambda: self.monitor.status(self.children))
@@ -255,6 +354,7 @@ class Launcher:
                     self.cfg.task,
                     self.cfg.eval.num_problems,
                     self.cfg.eval.max_tokens,
+                    token=self.cfg.inference.token,
                 )
             except Exception as e:  # a failed evaluation is reported, the run goes on
                 print(f"(periodic evaluation failed: {e})", flush=True)
@@ -326,7 +426,11 @@ class Launcher:
         from pipeline_rl.launch.evaluate import evaluate_server
 
         result = evaluate_server(
-            self.cfg.inference.urls[0], self.cfg.task, self.cfg.eval.num_problems, self.cfg.eval.max_tokens
+            self.cfg.inference.urls[0],
+            self.cfg.task,
+            self.cfg.eval.num_problems,
+            self.cfg.eval.max_tokens,
+            token=self.cfg.inference.token,
         )
         self.evals[when] = result
         self._record_eval(result, when)
@@ -385,6 +489,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = compose(args.overrides)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    for override in args.overrides:
+        key, _, value = override.partition("=")
+        if key == "inference.token" or (key == "streams.redis_url" and redact_url(value) != value):
+            hint = " (export PIPELINE_RL_TOKEN instead)" if key == "inference.token" else ""
+            print(
+                f"warning: {key} on the command line is visible to every local user (ps){hint}",
+                file=sys.stderr,
+            )
     if not cfg.trainer.resume and cfg.run_dir == "runs/latest":
         cfg = cfg.model_copy(update={"run_dir": f"runs/{time.strftime('%Y%m%d-%H%M%S')}"})
     run_dir = Path(cfg.run_dir).resolve()
@@ -394,8 +506,12 @@ def main(argv: list[str] | None = None) -> None:
             f"error: model_path {cfg.model_path!r} does not exist (run `make demo` once, or point model_path at a HF model dir)"
         )
     status_port = args.status_port or free_port()
+    try:
+        specs = plan(cfg, run_dir, roles)  # GPU placement errors surface here, before anything starts
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     if args.dry_run:
-        print_plan(cfg, plan(cfg, run_dir, roles), run_dir, status_port)
+        print_plan(cfg, specs, run_dir, status_port)
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     sys.exit(Launcher(cfg, run_dir, roles, args.progress_every).run(status_port))

@@ -3,7 +3,9 @@
 The mechanics live in inference_shim.procs: every child gets its own process session, so stopping it
 (SIGTERM, then SIGKILL after a grace period) reaches everything it spawned — vLLM's EngineCore and
 worker processes, accelerate's ranks — and leaves no orphan, and it dies with a launcher killed hard.
-Each child's command is also written as a re-runnable shell script under <run_dir>/cmd/.
+Each child's command is also written as a re-runnable shell script under <run_dir>/cmd/ (0700); a
+child's secret environment (the server's token) goes to <run_dir>/secrets/<name>.env (0600), which the
+script sources, so the scripts themselves hold no secret.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_shim import procs
+from pipeline_rl.streams.redis_server import write_private
 
 # Variables that make a command reproducible; only these are written into the command files.
 _RECORDED_ENV_PREFIXES = (
@@ -26,7 +29,10 @@ _RECORDED_ENV_PREFIXES = (
     "TOKENIZERS_",
     "CUDA_VISIBLE_DEVICES",
     "PYTHON",
+    "GLOO_SOCKET_IFNAME",
 )
+# Never written into a command file, whatever the prefix: they are secrets.
+SECRET_ENV = frozenset({"PIPELINE_RL_TOKEN"})
 
 
 @dataclass
@@ -38,6 +44,8 @@ class ProcessSpec:
     cores: list[int] | None = None
     port: int | None = None
     url: str | None = None  # base URL of a server; the launcher waits for its /health
+    gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES entries (platform=gpu), shown in the plan
+    secret_env: dict[str, str] = field(default_factory=dict)  # environment only, never in files or argv
 
     def full_argv(self) -> list[str]:
         if self.cores:
@@ -57,7 +65,7 @@ class Child:
         return self.spec.name
 
     def start(self, base_env: dict[str, str]) -> None:
-        env = dict(base_env, **self.spec.env, PYTHONUNBUFFERED="1")
+        env = {**base_env, **self.spec.env, **self.spec.secret_env, "PYTHONUNBUFFERED": "1"}
         # Appended: a resumed run keeps the earlier runs' output in the same log.
         self.proc = procs.start_child(self.spec.full_argv(), env=env, log_path=self.log_path)
         self.started_at = time.monotonic()
@@ -86,17 +94,29 @@ class Child:
         return procs.log_tail(self.log_path, lines)
 
 
-def write_command_file(spec: ProcessSpec, env: dict[str, str], path: Path) -> None:
-    recorded = {k: v for k, v in sorted({**env, **spec.env}.items()) if k.startswith(_RECORDED_ENV_PREFIXES)}
+def write_command_file(spec: ProcessSpec, env: dict[str, str], path: Path, secrets_dir: Path) -> None:
+    """cmd/<name>.sh (0700): the child's recorded environment and argv; its secret environment is
+    written to secrets_dir/<name>.env (0600) and sourced, never inlined."""
+    secret_names = SECRET_ENV | spec.secret_env.keys()
+    recorded = {
+        k: v
+        for k, v in sorted({**env, **spec.env}.items())
+        if k.startswith(_RECORDED_ENV_PREFIXES) and k not in secret_names
+    }
     lines = [
         "#!/usr/bin/env bash",
         f"# {spec.name} ({spec.role}); re-run from the repository root.",
         "set -e",
     ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in recorded.items()]
+    if spec.secret_env:
+        env_file = secrets_dir / f"{spec.name}.env"
+        write_private(env_file, "".join(f"export {k}={shlex.quote(v)}\n" for k, v in spec.secret_env.items()))
+        lines.append(f"source {shlex.quote(str(env_file))}")
     lines.append(shlex.join(spec.full_argv()))
-    path.write_text("\n".join(lines) + "\n")
-    path.chmod(0o755)
+    # 0700 although it holds no secret: only the run's owner has any business re-running it.
+    write_private(path, "\n".join(lines) + "\n")
+    path.chmod(0o700)
 
 
 def stop_all(children: list[Child], grace_s: float = 10.0) -> None:

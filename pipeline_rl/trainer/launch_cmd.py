@@ -4,12 +4,14 @@
     argv = trainer_command(cfg, "runs/x/config.json")    # the launcher runs this (and writes it to a file)
 
 Contract (what the launcher can rely on):
-  * argv[0] is this interpreter; the command is `python -m accelerate.commands.launch` (the same as the
-    `accelerate launch` console script, without depending on PATH);
+  * argv[0] is this interpreter; the command is `python -m pipeline_rl.launch.trainer_agent`, which is
+    `accelerate launch` (same arguments, no dependence on PATH) except that torchrun's rendezvous store
+    listens on the main process address only, not on every interface (see that module);
   * `--config_file conf/accelerate/<trainer.strategy>.yaml` (absolute path) picks the launcher
     (torchrun for ddp/fsdp, accelerate's DeepSpeed launcher for deepspeed_*), `--num_processes` is
-    trainer.num_processes, `--main_process_port` a port that was free when the command was built
-    (the ranks' rendezvous; it is not the weight-transfer port, which the trainer picks itself);
+    trainer.num_processes, `--main_process_ip 127.0.0.1` and `--main_process_port` a port of it that
+    was free when the command was built (the ranks' rendezvous; it is not the weight-transfer port,
+    which the trainer picks itself);
   * DeepSpeed strategies also get `--deepspeed_config_file conf/deepspeed/zero{2,3}.json` (absolute);
   * the ranks run `python -m pipeline_rl.cli train --config <config_path>` (pipeline_rl.trainer.main);
   * exit status: 0 after trainer.max_steps; non-zero on any failure (e.g. a server refused a weight push:
@@ -45,7 +47,7 @@ def trainer_command(cfg: RunConfig, config_path: str) -> list[str]:
     argv = [
         sys.executable,
         "-m",
-        "accelerate.commands.launch",
+        "pipeline_rl.launch.trainer_agent",
         "--config_file",
         str(accelerate_config_file(t.strategy)),
         "--num_processes",

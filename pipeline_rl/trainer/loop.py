@@ -2,7 +2,11 @@
 
 Per step, in this order on every rank:
   1. feed.next_package     ranks agree on the next batch (rank 0 picks among complete ones), or on stopping
-  2. train_step            forward/backward of this rank's micro-batches, one optimizer step
+  2. drop_stale, then      samples more than actor.max_lag versions behind the weights in use are
+     train_step            taken out (all ranks agree; the ledger records them as too_stale); then
+                           forward/backward of this rank's micro-batches, one optimizer step. If no
+                           sample is left, no step is taken: the groups count as consumed, the
+                           version stays (rank 0 announces the new consumption), next package
   3. publisher.push        new weights -> every server, version = step (rank 0 sends, all ranks gather)
   4. rank 0 publishes WeightVersionEvent(version, step, consumed) on trainer_events — only after 3
      succeeded, so an actor never sees a version its servers do not serve — and logs the metrics
@@ -12,6 +16,9 @@ Per step, in this order on every rank:
 At the end (max_steps, or SIGTERM/SIGINT agreed by all ranks at step 1) a final checkpoint is written.
 On resume the servers first get the checkpoint's weights (push with restore=True) and a
 WeightVersionEvent announces the restored version.
+Ledger (rank 0, <run_dir>/ledger/trainer.jsonl, pipeline_rl/ledger.py): a "resume" line at the start
+(the checkpoint's step; later steps of a previous life are redone, so their lines are void), then per
+step the too_stale drops and, before the push, the trained sample ids.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 import torch
 
 from pipeline_rl.config import RunConfig
+from pipeline_rl.ledger import TOO_STALE, LedgerWriter
 from pipeline_rl.messages import TrainingPackage, WeightVersionEvent
 from pipeline_rl.streams import TRAINER_EVENTS, Writer, make_writer
 from pipeline_rl.trainer import checkpoint
@@ -33,7 +41,7 @@ from pipeline_rl.trainer.dist import Comm, init_comm
 from pipeline_rl.trainer.feed import PartitionFeed
 from pipeline_rl.trainer.metrics import MetricsLog
 from pipeline_rl.trainer.model import load_hf_model
-from pipeline_rl.trainer.step import StepResult, train_step
+from pipeline_rl.trainer.step import StepResult, drop_stale, train_step
 from pipeline_rl.trainer.strategies import Strategy, make_strategy
 from pipeline_rl.trainer.weights import WeightPublisher
 
@@ -53,6 +61,10 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
         waited = time.perf_counter() - started
         step = tr.state.step + 1
         result = tr.train(package, step)  # 2
+        if result is None:  # every sample too stale: consumed, not trained, no new version
+            tr.state.groups_consumed += package.batch_groups
+            tr.announce()
+            continue
         tr.state.step = tr.state.version = step  # weight version = optimizer steps applied
         tr.state.samples_consumed += result.samples
         tr.state.groups_consumed += result.groups
@@ -81,6 +93,7 @@ class Trainer:
     ref_model: torch.nn.Module | None
     events: Writer | None  # rank 0 only
     metrics: MetricsLog | None  # rank 0 only
+    ledger: LedgerWriter | None  # rank 0 only
     saved_step: int
     saved_at: float  # time.monotonic() of the last checkpoint (or of the start), for the time cadence
 
@@ -111,9 +124,12 @@ class Trainer:
             ref_model=_reference_model(cfg, comm),
             events=make_writer(cfg.streams, TRAINER_EVENTS) if main else None,
             metrics=MetricsLog(cfg.run_dir, cfg.streams, resume_step=resume_step) if main else None,
+            ledger=LedgerWriter(cfg.run_dir, "trainer") if main else None,
             saved_step=state.step if ckpt else -1,
             saved_at=time.monotonic(),
         )
+        if tr.ledger is not None:
+            tr.ledger.resumed(state.step)  # before anything is trained again: voids later steps' lines
         if ckpt:
             publisher.push(state.version, restore=True)  # servers serve exactly the checkpoint's weights
             tr.announce()  # actors rewind to the restored version
@@ -127,17 +143,42 @@ class Trainer:
         )
         return tr
 
-    def train(self, package: TrainingPackage, step: int) -> StepResult:
-        """Forward/backward of this rank's micro-batches and one optimizer step (collective)."""
-        return train_step(
-            self.strategy,
+    def train(self, package: TrainingPackage, step: int) -> StepResult | None:
+        """Drop the too-stale samples, then forward/backward of this rank's micro-batches and one optimizer
+        step (collective). None when no sample is left (no step taken)."""
+        stale = drop_stale(
             package,
+            version=step - 1,  # the weights in use while step `step` is computed
+            max_lag=self.cfg.actor.max_lag,
+            comm=self.comm,
+            pad_token_id=self.cfg.preprocess.replace_token_id,
+        )
+        if stale.dropped_ids:
+            if self.ledger is not None:
+                self.ledger.dropped(TOO_STALE, stale.dropped_ids, step=step)
+            if self.comm.is_main:
+                log.warning(
+                    "step %d: %d sample(s) of batch %s more than actor.max_lag=%d versions old: dropped",
+                    step,
+                    len(stale.dropped_ids),
+                    package.batch_id,
+                    self.cfg.actor.max_lag,
+                )
+        if stale.package.batch_samples == 0:
+            return None
+        result = train_step(
+            self.strategy,
+            stale.package,
             self.cfg.algo,
             step=step,
             temperature=self.cfg.trainer.temperature,
             comm=self.comm,
             ref_model=self.ref_model,
         )
+        result.metrics["too_stale"] = len(stale.dropped_ids)
+        if self.ledger is not None:
+            self.ledger.trained(step, result.sample_ids)  # before the push makes the step visible
+        return result
 
     def announce(self) -> None:
         """WeightVersionEvent for the current version (rank 0; call only once every server has it)."""
@@ -211,6 +252,8 @@ class Trainer:
         if self.state.step != self.saved_step:
             self.checkpoint()
         self.publisher.close()
+        if self.ledger is not None:
+            self.ledger.close()
         self.strategy.close()
         self.comm.close()
 

@@ -11,6 +11,15 @@ one sample that "predicts" the next sample's first token never counts.
 Normalization: rl_loss gets the GLOBAL counts of the step (package.batch_samples / batch_tokens, over
 all ranks) so the accumulated gradient equals the gradient of one big batch; every rank's loss is
 multiplied by the world size because DDP, ZeRO and FSDP all average gradients over ranks.
+
+Lag at train time (drop_stale, called by the loop before train_step on every rank): a sample whose
+oldest trained token is more than actor.max_lag versions behind the weights in use is taken out of
+the package. The trainer decides, not the preprocessor, because only the trainer knows the version a
+batch is trained at (several preprocessors pack ahead; a resumed trainer goes back in versions), so the
+bound holds by construction whatever the timing. The ranks then exchange what they took out, and every
+rank lowers the package's GLOBAL counts by the same totals: the loss stays normalized over exactly the
+samples/tokens trained. Micro-batches emptied by the filter become padding micro-batches, so every rank
+still runs the same number of forward/backward passes (DDP's all-reduce would hang otherwise).
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline_rl.messages import TrainingPackage
-from pipeline_rl.preprocess_ops import collate_micro_batch, is_padding
+from pipeline_rl.messages import TrainingPackage, TrainingSample
+from pipeline_rl.preprocess_ops import collate_micro_batch, is_padding, padding_sample
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.losses import AlgoConfig, rl_loss, token_entropy, token_logprobs, trained_counts
 from pipeline_rl.trainer.strategies import Strategy
@@ -60,6 +69,55 @@ class _Sums:
         self.lse[key] = float(
             torch.logaddexp(torch.tensor(self.lse.get(key, -math.inf)), torch.tensor(value))
         )
+
+
+def oldest_version(sample: TrainingSample) -> int | None:
+    """Oldest weight version among the sample's TRAINED tokens (None if none carries a version).
+
+    The oldest, not the newest: a completion generated across weight updates mixes versions, and every
+    trained token must be within the bound (its importance ratio is only as good as its own version).
+    Only trained tokens: the loss and the lag metrics see only those; the prompt has no version.
+    """
+    versions = [v for v, m in zip(sample.token_versions, sample.labels_mask, strict=True) if m and v >= 0]
+    return min(versions) if versions else None
+
+
+@dataclass
+class StaleDrop:
+    package: TrainingPackage  # this rank's package without the stale samples, global counts lowered
+    dropped_ids: list[str]  # every rank's stale sample ids (the same list on every rank)
+
+
+def drop_stale(
+    package: TrainingPackage, *, version: int, max_lag: int, comm: Comm, pad_token_id: int = 0
+) -> StaleDrop:
+    """Take out samples more than `max_lag` versions older than `version` (collective: every rank, every
+    step, whatever it finds, so ranks stay in lockstep). See the module docstring."""
+    micro_batches: list[list[TrainingSample]] = []
+    stale_ids: list[str] = []
+    stale_tokens = 0
+    for mb in package.micro_batches:
+        kept = []
+        for s in mb:
+            oldest = None if is_padding(s) else oldest_version(s)
+            if oldest is not None and version - oldest > max_lag:
+                stale_ids.append(s.sample_id)
+                stale_tokens += sum(s.labels_mask)
+            else:
+                kept.append(s)
+        micro_batches.append(kept or [padding_sample(pad_token_id)])
+    views = comm.all_gather_object({"ids": stale_ids, "tokens": stale_tokens})
+    all_ids = [i for v in views for i in v["ids"]]
+    if not all_ids:
+        return StaleDrop(package, [])
+    filtered = package.model_copy(
+        update={
+            "micro_batches": micro_batches,
+            "batch_samples": package.batch_samples - len(all_ids),
+            "batch_tokens": package.batch_tokens - sum(v["tokens"] for v in views),
+        }
+    )
+    return StaleDrop(filtered, all_ids)
 
 
 def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float):

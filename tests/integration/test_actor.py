@@ -18,9 +18,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +63,8 @@ def _config(redis_url: str, urls: list[str], **actor) -> RunConfig:
     actor = {"attempts": 2, "max_tokens": 8, "stats_interval_s": 1.0, **actor}
     return RunConfig.model_validate(
         {
+            # A scratch run directory: the actor appends its ledger there (never into the checkout).
+            "run_dir": tempfile.mkdtemp(prefix="actor-test-run-"),
             "streams": {"backend": "redis", "redis_url": redis_url, "run_name": f"a{uuid.uuid4().hex[:10]}"},
             "actor": actor,
             "trainer": trainer,
@@ -367,7 +371,7 @@ def test_groups_carry_what_the_servers_returned(servers, redis_server, model_dir
         assert sorted(g.prompt_index for g in mine) == sorted(problems)  # its own shard, nothing else
         for g in mine:
             problem = problems[g.prompt_index]
-            assert g.group_id == f"{actor}:{g.prompt_index}" and len(g.samples) == 3
+            assert g.group_id == f"{actor}-{g.incarnation}:{g.prompt_index}" and len(g.samples) == 3
             assert g.metadata["start_version"] == 0 and g.metadata["answer"] == problem.answer
             expected_prompt = tokenizer.apply_chat_template(
                 problem.messages, add_generation_prompt=True, tokenize=True
@@ -395,6 +399,31 @@ def test_groups_carry_what_the_servers_returned(servers, redis_server, model_dir
     stats = [m for m in _read_all(cfg, STATS) if m.source in ("actor0", "actor1")]
     last = stats[-1].values
     assert last["groups_written"] == 3 and last["in_flight_server0"] == 0 and "lag_max" in last
+
+
+@pytest.mark.slow
+def test_a_restarted_actor_never_repeats_an_id_of_its_previous_life(servers, redis_server, tmp_path) -> None:
+    """The same actor index started twice as a real process (`pipeline-rl actor`): both lives begin at
+    prompt 0, yet no group or sample id repeats, and the ledger lists every sample as generated."""
+    cfg = _config(redis_server.url, [servers[0].url], attempts=2, max_lag=20)
+    cfg.run_dir = str(tmp_path / "run")
+    config_path = tmp_path / "config.json"
+    config_path.write_text(cfg.model_dump_json())
+    argv = [sys.executable, "-m", "pipeline_rl.actor.main", "--config", str(config_path), "--index", "0"]
+    for _ in range(2):
+        proc = subprocess.run([*argv, "--max-groups", "2"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    groups = _read_all(cfg, ROLLOUTS)
+    assert len(groups) == 4 and len({g.incarnation for g in groups}) == 2
+    assert set(Counter(g.prompt_index for g in groups).values()) == {2}  # the same prompts again
+    group_ids = [g.group_id for g in groups]
+    sample_ids = [s.sample_id for g in groups for s in g.samples]
+    assert len(set(group_ids)) == 4 and len(set(sample_ids)) == 8
+    from pipeline_rl.ledger import ledger_dir, ledger_summary
+
+    assert len(list(ledger_dir(cfg.run_dir).glob("actor0-*.jsonl"))) == 2  # one file per life
+    ledger = ledger_summary(cfg.run_dir)
+    assert ledger.generated == 8 and ledger.in_flight == sorted(sample_ids) and ledger.balanced
 
 
 class SimulatedTrainer(threading.Thread):

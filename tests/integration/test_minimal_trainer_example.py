@@ -25,7 +25,8 @@ from pipeline_rl.tiny_model import build_tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "minimal_trainer.py"
 TOKEN = "example-token"
-OUTSIDE_MODULES = {"__future__", "argparse", "datetime", "json", "threading", "uuid", "pathlib"}
+OUTSIDE_MODULES = {"__future__", "argparse", "datetime", "hashlib", "hmac", "json", "threading", "uuid"}
+OUTSIDE_MODULES |= {"pathlib", "socket"}
 OUTSIDE_MODULES |= {"httpx", "torch", "safetensors"}
 
 

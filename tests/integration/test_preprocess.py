@@ -21,6 +21,7 @@ import pytest
 
 from inference_shim.protocol import VersionSpan
 from pipeline_rl.config import RunConfig
+from pipeline_rl.ledger import ledger_dir, ledger_summary, read_records
 from pipeline_rl.messages import (
     DeadLetter,
     PreprocessorProgress,
@@ -165,6 +166,8 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_reports_them(redis_serve
 
     # A restarted preprocessor continues its totals (actors take the latest value per id).
     assert Preprocessor(cfg, 0).totals.groups_dropped == 4
+    # The ledger names every dropped sample and why.
+    assert ledger_summary(cfg.run_dir).dropped == {"filtered": 4 * ATTEMPTS}
 
 
 def test_crash_after_writing_before_ack_does_not_duplicate(redis_server, tmp_path):
@@ -191,6 +194,45 @@ def test_crash_after_writing_before_ack_does_not_duplicate(redis_server, tmp_pat
     ids = [i for batch in batches.values() for i in trained_sample_ids(batch)]
     assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)
     assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0
+
+
+def test_a_duplicate_entry_after_a_restart_is_dropped_and_counted_so_the_gate_balances(
+    redis_server, tmp_path
+):
+    """A group's second entry on `rollouts` (a write retried after a lost reply) reaching a restarted
+    preprocessor that still holds the first one pending: the first is acked as already written, the copy
+    is dropped AND counted, so written = trained + dropped (the actors' gate arithmetic) holds."""
+    cfg = make_cfg(redis_server.url, tmp_path)
+    rng = random.Random(5)
+    groups = [make_group(i, rng) for i in range(4)]
+    rollouts = make_writer(cfg.streams, ROLLOUTS)
+    rollouts.write_many(groups[:2])
+    crashing = Preprocessor(cfg, 0)
+
+    def crash(ids):
+        raise RuntimeError("killed between write and ack")
+
+    crashing.reader.ack = crash
+    with pytest.raises(RuntimeError, match="killed"):
+        crashing.poll(block_s=0.0)
+
+    restarted = Preprocessor(cfg, 0)
+    rollouts.write_many([groups[0], *groups[2:]])  # groups[0] again: a new entry, the same group
+    for _ in range(5):
+        restarted.poll(block_s=0.0)
+    restarted.publish(force=True)
+
+    batches = packages_by_batch(cfg)
+    check_complete_batches(cfg, batches)
+    ids = [i for batch in batches.values() for i in trained_sample_ids(batch)]
+    assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)  # none twice
+    progress = [m for m in read_all(cfg, TRAINER_EVENTS) if isinstance(m, PreprocessorProgress)][-1]
+    trained_groups = sum(b[0].batch_groups for b in batches.values())
+    assert progress.groups_dropped == 1
+    assert rollouts.total_written() == 5 == trained_groups + progress.groups_dropped
+    assert rollouts.backlog(GROUP) == 0
+    records = [r for f in ledger_dir(cfg.run_dir).glob("prep0-*.jsonl") for r in read_records(f)[0]]
+    assert [(r["reason"], r["group"], len(r["ids"])) for r in records] == [("duplicate", "0:0", ATTEMPTS)]
 
 
 def test_crash_between_partitions_leaves_an_incomplete_batch_that_is_redone(redis_server, tmp_path):
@@ -225,6 +267,19 @@ def test_wrong_message_kind_goes_to_dead_letter(redis_server, tmp_path):
     dead = [m for m in read_all(cfg, DEAD_LETTER) if isinstance(m, DeadLetter)]
     assert len(dead) == 1 and "expected a rollout_group" in dead[0].error
     assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0
+
+
+def test_a_malformed_group_is_dead_lettered_counted_and_in_the_ledger(redis_server, tmp_path):
+    cfg = make_cfg(redis_server.url, tmp_path, ranks=1)
+    group = make_group(0, random.Random(6))
+    broken = group.samples[0].model_copy(update={"completion_logprobs": []})  # logprobs missing
+    make_writer(cfg.streams, ROLLOUTS).write(
+        group.model_copy(update={"samples": [broken, *group.samples[1:]]})
+    )
+    prep = Preprocessor(cfg, 0)
+    prep.poll(block_s=0.0)
+    assert (prep.totals.groups_in, prep.totals.groups_dropped) == (1, 1)
+    assert ledger_summary(cfg.run_dir).dropped == {"malformed": ATTEMPTS}
 
 
 def test_cli_processes_share_the_stream_and_stop_on_sigterm(redis_server, tmp_path):

@@ -35,6 +35,7 @@ from pipeline_rl.streams import (
     GroupReader,
     RedisServer,
     StreamsConfig,
+    StreamsError,
     StreamsUnavailable,
     make_reader,
     make_writer,
@@ -324,7 +325,8 @@ def test_redis_connection_loss_is_retried_then_reported(tmp_path: Path) -> None:
         with pytest.raises(StreamsUnavailable, match="redis-server is running") as err:
             reader.read(count=10, block_s=0.1)
         assert time.monotonic() - start < 3.0
-        assert server.url in str(err.value) and "retry_deadline_s" in str(err.value)
+        assert server.safe_url in str(err.value) and "retry_deadline_s" in str(err.value)
+        assert server.password not in str(err.value), "a message must never carry the password"
 
         # The server comes back within the deadline: the same call just succeeds. The read runs in a
         # worker thread because the server must be (re)started from this long-lived thread.
@@ -392,3 +394,25 @@ def test_config_and_names_are_checked(files_dir: Path) -> None:
         make_reader(cfg, ROLLOUTS, group="prep")
     with pytest.raises(TypeError, match="pipeline_rl.messages"):
         make_writer(cfg, ROLLOUTS).write(VersionSpan(version=0, start=0, end=1))
+
+
+def test_private_redis_requires_its_password(redis_server: RedisServer) -> None:
+    """The private server refuses a client without the password (any local user can reach loopback) and
+    a client with a wrong one fails at once, naming the problem, instead of retrying for the deadline."""
+    import socket
+
+    import redis
+
+    with socket.create_connection((redis_server.host, redis_server.port), timeout=5) as raw:
+        raw.sendall(b"PING\r\n")
+        assert raw.recv(200).startswith(b"-NOAUTH")
+    assert redis.Redis.from_url(redis_server.url).ping()
+    assert redis_server.password not in redis_server.safe_url
+
+    wrong = redis_server.url.replace(redis_server.password, "wrong")
+    cfg = StreamsConfig(redis_url=wrong, run_name="auth", retry_deadline_s=10.0)
+    start = time.monotonic()
+    with pytest.raises(StreamsError, match="refused our credentials") as err:
+        make_writer(cfg, ROLLOUTS).write(_messages(1)[0])
+    assert time.monotonic() - start < 3.0
+    assert "wrong" not in str(err.value)

@@ -33,7 +33,7 @@ from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.feed import PartitionFeed, _choose
 from pipeline_rl.trainer.launch_cmd import trainer_command
-from pipeline_rl.trainer.step import forward_logprobs, micro_batch_tensors, train_step
+from pipeline_rl.trainer.step import drop_stale, forward_logprobs, micro_batch_tensors, train_step
 
 ATTEMPTS = 4
 CPU = torch.device("cpu")
@@ -45,14 +45,19 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def run_config(tmp_path: Path, redis_url: str, model_dir: Path, algo: str = "grpo", **trainer) -> RunConfig:
-    """A small run: batches of 8 samples (2 groups of 4), micro-batches of <= 64 tokens."""
+def run_config(
+    tmp_path: Path, redis_url: str, model_dir: Path, algo: str = "grpo", max_lag: int = 1000, **trainer
+) -> RunConfig:
+    """A small run: batches of 8 samples (2 groups of 4), micro-batches of <= 64 tokens.
+
+    max_lag is wide by default: the synthetic groups are all version 0 and these tests fit fixed batches
+    for several steps; the tests of the train-time lag filter set it."""
     streams = StreamsConfig(backend="redis", redis_url=redis_url, run_name=f"t{uuid.uuid4().hex[:10]}")
     return RunConfig(
         run_dir=str(tmp_path / "run"),
         model_path=str(model_dir),
         streams=streams,
-        actor={"attempts": ATTEMPTS, "max_tokens": 8},
+        actor={"attempts": ATTEMPTS, "max_tokens": 8, "max_lag": max_lag},
         inference={"max_model_len": 32},
         preprocess={"seq_length": 64},
         algo={"name": algo},
@@ -300,7 +305,7 @@ def test_trainer_command_contract(tiny_model, tmp_path):
     for strategy in ("ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp"):
         cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model, strategy=strategy, num_processes=2)
         argv = trainer_command(cfg, "/x/config.json")
-        assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+        assert argv[:3] == [sys.executable, "-m", "pipeline_rl.launch.trainer_agent"]
         assert argv[argv.index("--config_file") + 1] == str(CONF_DIR / "accelerate" / f"{strategy}.yaml")
         assert argv[argv.index("--num_processes") + 1] == "2"
         assert 0 < int(argv[argv.index("--main_process_port") + 1]) < 65536
@@ -443,3 +448,58 @@ def test_kl_to_the_frozen_initial_policy_starts_at_zero_and_grows(tiny_model, tm
     second = train_step(strategy, package, cfg.algo, step=2, temperature=1.0, comm=comm, ref_model=reference)
     assert first.metrics["kl"] < 1e-9 < second.metrics["kl"]
     assert not any(p.requires_grad for p in reference.parameters())
+
+
+def with_versions(group: RolloutGroup, versions: list[list[tuple[int, int]]]) -> RolloutGroup:
+    """The group with each sample's tokens attributed to versions: [(version, tokens), ...] per sample
+    (the last span runs to the end of the completion)."""
+    samples = []
+    for sample, spans in zip(group.samples, versions, strict=True):
+        n, start, out = len(sample.completion_token_ids), 0, []
+        for k, (version, length) in enumerate(spans):
+            end = n if k == len(spans) - 1 else min(start + length, n)
+            out.append(VersionSpan(version=version, start=start, end=end))
+            start = end
+        samples.append(sample.model_copy(update={"version_spans": out}))
+    return group.model_copy(update={"samples": samples})
+
+
+def test_samples_older_than_max_lag_are_dropped_at_train_time_with_exact_counts(tiny_model, tmp_path):
+    """At step 2 (weights of version 1) with max_lag=0, a sample with ANY trained token of version 0 is
+    dropped; the rest trains exactly as a batch of only them would (counts, gradient, weights)."""
+    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model, max_lag=0)
+    comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+    fresh, old = make_groups(tiny_model, 2, seed=11, prefix="s")
+    fresh = with_versions(fresh, [[(1, 0)], [(1, 0)], [(0, 2), (1, 0)], [(1, 0)]])  # /2 starts at v0
+    old = with_versions(old, [[(0, 0)]] * ATTEMPTS)
+    samples = [s for g in (fresh, old) for s in group_to_training_samples(g, cfg.preprocess)]
+    [package] = build_packages(cfg, samples, "mixed")
+
+    dropped = drop_stale(package, version=1, max_lag=0, comm=comm)
+    expected = {"s:0/2", *(f"s:1/{i}" for i in range(ATTEMPTS))}
+    assert set(dropped.dropped_ids) == expected
+    kept = [s for s in samples if s.sample_id not in expected]
+    p = dropped.package
+    assert len(p.micro_batches) == len(package.micro_batches)  # same micro-steps on every rank
+    assert (p.batch_samples, p.batch_tokens) == (len(kept), sum(sum(s.labels_mask) for s in kept))
+    assert drop_stale(package, version=1, max_lag=1, comm=comm).dropped_ids == []  # lag 1 is allowed
+
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    [reference] = build_packages(cfg, kept, "kept")
+    results, weights = [], []
+    for pkg in (p, reference):
+        strategy = DDPStrategy(cfg, comm, tiny_model)
+        # Plain SGD: Adam's first step is ~lr * sign(g) and would amplify float noise in near-zero grads.
+        strategy.optimizer = torch.optim.SGD(strategy.module.parameters(), lr=1.0)
+        strategy.scheduler = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lambda _: 1.0)
+        results.append(train_step(strategy, pkg, cfg.algo, step=2, temperature=1.0, comm=comm))
+        weights.append({n: w.detach().clone() for n, w in strategy.module.named_parameters()})
+    result = results[0]
+    assert (result.samples, result.trained_tokens) == (p.batch_samples, p.batch_tokens)
+    assert sorted(result.sample_ids) == sorted(s.sample_id for s in kept)
+    assert result.metrics["lag_max"] == 0.0  # the bound holds on every trained token
+    assert result.metrics["loss"] == pytest.approx(results[1].metrics["loss"], abs=1e-6)
+    assert result.metrics["grad_norm"] == pytest.approx(results[1].metrics["grad_norm"], rel=1e-4)
+    for name in weights[0]:
+        assert torch.allclose(weights[0][name], weights[1][name], atol=1e-6), name

@@ -28,6 +28,7 @@ from test_trainer import (
     stop_trainer,
 )
 
+from pipeline_rl.ledger import ledger_summary
 from pipeline_rl.messages import WeightVersionEvent
 from pipeline_rl.preprocess import Preprocessor
 from pipeline_rl.streams import ROLLOUTS, TRAINER_EVENTS, make_reader, make_writer, training_partition
@@ -115,6 +116,9 @@ def test_sigkill_after_checkpoint_then_resume_trains_every_sample_exactly_once(
     # Every sample trained exactly once over both lives: no gap, no duplicate.
     trained = [i for line in read_jsonl(cfg.run_path / "trained_samples.jsonl") for i in line["sample_ids"]]
     assert Counter(trained) == Counter(s.sample_id for g in groups for s in g.samples)
+    # The ledger says the same: step 3 of the first life was voided by the resume, not counted twice.
+    ledger = ledger_summary(cfg.run_dir)
+    assert (ledger.trained, ledger.duplicates_trained) == (8 * STEPS, [])
     state = checkpoint.read_state(checkpoint.latest_checkpoint(cfg.run_dir))
     assert (state.step, state.version, state.samples_consumed, state.groups_consumed) == (
         STEPS,

@@ -1,0 +1,237 @@
+"""The sample ledger: what happened to every generated sample of a run, kept in the run directory.
+
+    from pipeline_rl.ledger import ledger_summary
+    print("\\n".join(ledger_summary("runs/x").lines()))        # what `pipeline-rl report` shows
+
+Every sample has a run-unique id (`<actor>-<incarnation>:<prompt_index>/<i>`, see docs/actor.md).
+Each process that creates, trains or drops samples appends one JSON line per event to its OWN file
+under <run_dir>/ledger/ (no two processes share a file, except the trainer's across its restarts,
+which never overlap in time):
+
+    actor<i>-<incarnation>.jsonl  {"event": "generated", "group": G, "ids": [...]}   before the stream write
+    prep<i>-<boot>.jsonl          {"event": "dropped", "reason": R, "group": G, "ids": [...]}   before the ack
+    trainer.jsonl                 {"event": "trained", "step": S, "ids": [...]}
+                                  {"event": "dropped", "reason": "too_stale", "step": S, "ids": [...]}
+                                  {"event": "resume", "step": S}   written at every trainer start
+
+Why these write points. Each line is written BEFORE the action it records becomes visible downstream
+(write-ahead): a kill -9 between the two can only leave a line for something that then never happened
+(a generated group that never reached the stream shows as in flight; a drop redone after a restart is
+the same id with the same reason, and ids are counted as sets), never an action with no line.
+The trainer's lines carry the step that trained them; a resumed trainer re-trains the steps after its
+checkpoint, so its "resume" line voids every earlier line of a later step (append-only: nothing is
+rewritten, the reader applies the rewind).
+
+Durability: one os.write per line on an O_APPEND descriptor, so a line is in the kernel once append()
+returns and survives kill -9 of the writer (not a power loss: no fsync, the checkpoint and the streams
+are the durable state; the ledger is the audit). A writer killed inside a write leaves a torn last line;
+the next writer of that file first ends it with a newline, and the reader skips unparsable lines and
+counts them (`unreadable_lines`).
+
+Drop reasons: filtered (all rewards equal: DAPO dynamic sampling), too_long (longer than
+preprocess.seq_length with overlong=drop, or a prompt that fills it), untrainable (no token left to train
+on, e.g. every completion id outside the vocabulary), malformed (a group the preprocessor could not
+convert: dead-lettered), too_stale (older than actor.max_lag versions when the trainer got to it),
+duplicate (a second stream entry of a group already taken: a copy, it does not count in the balance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+LEDGER_DIR = "ledger"
+TRAINER_FILE = "trainer.jsonl"
+
+FILTERED = "filtered"
+TOO_LONG = "too_long"
+UNTRAINABLE = "untrainable"
+MALFORMED = "malformed"
+TOO_STALE = "too_stale"
+DUPLICATE = "duplicate"
+REASONS = (FILTERED, TOO_LONG, UNTRAINABLE, MALFORMED, TOO_STALE, DUPLICATE)
+
+
+def ledger_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / LEDGER_DIR
+
+
+class LedgerWriter:
+    """Appends events to <run_dir>/ledger/<name>.jsonl. One writer per file at a time; not thread-safe."""
+
+    def __init__(self, run_dir: str | Path, name: str) -> None:
+        self.path = ledger_dir(run_dir) / f"{name}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Unbuffered append mode: O_APPEND, and each write() below is one system call (no Python buffer
+        # to lose on kill -9). A FileIO rather than a raw descriptor so that it closes when collected.
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the writer
+        # A previous writer of this file killed mid-line: end its torn line so ours starts clean.
+        size = os.fstat(self._file.fileno()).st_size
+        if size:
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    self._write(b"\n")
+
+    def generated(self, group: str, ids: list[str]) -> None:
+        self.append({"event": "generated", "group": group, "ids": ids})
+
+    def dropped(
+        self, reason: str, ids: list[str], *, group: str | None = None, step: int | None = None
+    ) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown drop reason {reason!r}; one of {REASONS}")
+        record: dict[str, Any] = {"event": "dropped", "reason": reason, "ids": ids}
+        if group is not None:
+            record["group"] = group
+        if step is not None:
+            record["step"] = step
+        self.append(record)
+
+    def trained(self, step: int, ids: list[str]) -> None:
+        self.append({"event": "trained", "step": step, "ids": ids})
+
+    def resumed(self, step: int) -> None:
+        """The trainer (re)starts after `step`: lines of later steps written before this one are void."""
+        self.append({"event": "resume", "step": step})
+
+    def append(self, record: dict[str, Any]) -> None:
+        self._write((json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # a regular file takes it in one call; loop for the rare short write
+            view = view[self._file.write(view) :]
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(the parsable JSON-object lines of a ledger file in order, how many lines were not parsable)."""
+    records, bad = [], 0
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line (writer killed mid-write), or a line it left behind
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
+
+
+@dataclass
+class LedgerSummary:
+    """Counts of a run's ledger. `balanced`: every trained or dropped id was generated, none was both
+    trained and dropped, none trained twice; then generated = trained + dropped + len(in_flight)."""
+
+    generated: int = 0
+    trained: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> distinct ids (duplicate: copies)
+    in_flight: list[str] = field(default_factory=list)  # generated, neither trained nor dropped
+    duplicates_trained: list[str] = field(default_factory=list)  # must stay empty
+    trained_and_dropped: list[str] = field(default_factory=list)
+    not_generated: list[str] = field(default_factory=list)  # trained/dropped with no "generated" line
+    unreadable_lines: int = 0
+    files: int = 0
+
+    @property
+    def dropped_total(self) -> int:
+        """Distinct dropped samples (duplicate copies left out: their original is counted elsewhere)."""
+        return sum(n for reason, n in self.dropped.items() if reason != DUPLICATE)
+
+    @property
+    def balanced(self) -> bool:
+        return not (self.duplicates_trained or self.trained_and_dropped or self.not_generated) and (
+            self.generated == self.trained + self.dropped_total + len(self.in_flight)
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "dropped_total": self.dropped_total, "balanced": self.balanced}
+
+    def lines(self, max_ids: int = 10) -> list[str]:
+        """Human-readable lines for `pipeline-rl report`."""
+
+        def some(ids: list[str]) -> str:
+            more = f" … (+{len(ids) - max_ids})" if len(ids) > max_ids else ""
+            return ", ".join(ids[:max_ids]) + more
+
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(self.dropped.items())) or "none"
+        out = [
+            f"ledger: {'balanced' if self.balanced else 'NOT BALANCED'}: generated {self.generated} = "
+            f"trained {self.trained} + dropped {self.dropped_total} + in flight {len(self.in_flight)}",
+            f"  dropped by reason: {reasons}",
+            f"  trained twice: {len(self.duplicates_trained)}",
+        ]
+        for name, ids in (
+            ("in flight", self.in_flight),
+            ("TRAINED TWICE", self.duplicates_trained),
+            ("TRAINED AND DROPPED", self.trained_and_dropped),
+            ("NEVER GENERATED", self.not_generated),
+        ):
+            if ids:
+                out.append(f"  {name}: {some(ids)}")
+        if self.unreadable_lines:
+            out.append(f"  unreadable lines skipped: {self.unreadable_lines} (torn by a killed writer)")
+        return out
+
+
+def ledger_summary(run_dir: str | Path) -> LedgerSummary:
+    """Read every ledger file of the run and account for every sample id (see the module docstring)."""
+    summary = LedgerSummary()
+    generated: set[str] = set()
+    dropped: dict[str, str] = {}  # id -> first reason (a redone drop repeats the same one)
+    duplicate_copies = 0
+    trained_lines: list[dict[str, Any]] = []
+    root = ledger_dir(run_dir)
+    paths = sorted(root.glob("*.jsonl")) if root.is_dir() else []
+    for path in paths:
+        records, bad = read_records(path)
+        summary.files += 1
+        summary.unreadable_lines += bad
+        if path.name == TRAINER_FILE:
+            records = _apply_rewinds(records)
+        for r in records:
+            ids = [str(i) for i in r.get("ids", [])]
+            event = r.get("event")
+            if event == "generated":
+                generated.update(ids)
+            elif event == "trained":
+                trained_lines.append(r)
+            elif event == "dropped" and r.get("reason") == DUPLICATE:
+                duplicate_copies += len(ids)
+            elif event == "dropped":
+                for i in ids:
+                    dropped.setdefault(i, str(r.get("reason")))
+    trained = Counter(str(i) for r in trained_lines for i in r.get("ids", []))
+    summary.generated = len(generated)
+    summary.trained = len(trained)
+    summary.dropped = dict(Counter(dropped.values()))
+    if duplicate_copies:
+        summary.dropped[DUPLICATE] = duplicate_copies
+    summary.duplicates_trained = sorted(i for i, n in trained.items() if n > 1)
+    summary.trained_and_dropped = sorted(set(trained) & set(dropped))
+    summary.not_generated = sorted((set(trained) | set(dropped)) - generated)
+    summary.in_flight = sorted(generated - set(trained) - set(dropped))
+    return summary
+
+
+def _apply_rewinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's lines that still stand: a "resume" at step S voids earlier lines of steps > S."""
+    kept: list[dict[str, Any]] = []
+    for r in records:
+        if r.get("event") == "resume":
+            step = int(r.get("step", 0))
+            kept = [k for k in kept if int(k.get("step", 0)) <= step]
+        else:
+            kept.append(r)
+    return kept

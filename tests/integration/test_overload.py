@@ -1,0 +1,131 @@
+"""Overload of one REAL inference server (vLLM-CPU, tiny model): 1,000 concurrent generation requests.
+
+Properties: every request gets an answer, 200 or 503 `overloaded` (with Retry-After), none hangs or
+breaks its connection; `/health` answers within 1 s all through the flood (polled from a thread of its
+own, so the flood's client work does not delay the measurement); a weight update pushed during the
+flood (the same weights as version 1, over a real gloo group) completes and is served. The server runs
+with small admission limits (32 at once, 96 waiting) so that the flood is far beyond them.
+
+    .venv/bin/python -m pytest -q tests/integration/test_overload.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+import torch
+from _servers import running_servers
+
+from inference_shim.weight_sender import WeightSender
+from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TOKEN = "overload-token"
+REQUESTS = 1000
+MAX_ACTIVE, MAX_QUEUED = 32, 96
+HEALTH_LIMIT_S = 1.0
+FLOOD_DEADLINE_S = 150.0  # the whole flood, update included, stays well inside 3 minutes
+
+
+def _named_params(model_dir) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(name, p.detach()) for name, p in model.named_parameters()]
+
+
+class HealthPoller(threading.Thread):
+    """GET /health every 50 ms until stopped; records each answer's latency and status."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(name="health-poller", daemon=True)
+        self.url = url
+        self.stop = threading.Event()
+        self.samples: list[tuple[float, int]] = []
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=10.0) as client:
+            while not self.stop.is_set():
+                start = time.perf_counter()
+                try:
+                    status = client.get("/health").status_code
+                except httpx.HTTPError:
+                    status = -1  # no answer within 10 s: recorded, fails the test below
+                self.samples.append((time.perf_counter() - start, status))
+                self.stop.wait(0.05)
+
+
+async def _flood(url: str) -> list[int | str]:
+    limits = httpx.Limits(max_connections=REQUESTS, max_keepalive_connections=REQUESTS)
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+
+        async def one(i: int) -> int | str:
+            body = {"prompt": [1, 2 + i % 50, 3], "max_tokens": 4, "temperature": 1.0, "seed": i}
+            try:
+                response = await client.post("/v1/completions", json=body)
+            except httpx.HTTPError as e:
+                return f"{type(e).__name__}: {e}"
+            if response.status_code == 503:
+                assert response.json()["error"] == "overloaded" and response.headers["retry-after"]
+            elif response.status_code == 200:
+                assert len(response.json()["choices"][0]["token_ids"]) >= 1
+            return response.status_code
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(REQUESTS))), FLOOD_DEADLINE_S)
+
+
+def test_thousand_concurrent_requests_health_and_update(tmp_path):
+    model = build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=3))
+    named = _named_params(model)
+    extra = ("--max-concurrent-requests", str(MAX_ACTIVE), "--max-queued-requests", str(MAX_QUEUED))
+    with running_servers(model, tmp_path, 1, token=TOKEN, extra=extra) as urls:
+        url = urls[0]
+        sender = WeightSender(urls, token=TOKEN, backend="gloo", timeout_s=60)
+        sender.connect()
+        poller = HealthPoller(url)
+        try:
+            poller.start()
+            update: dict = {}
+
+            def push() -> None:
+                time.sleep(1.0)  # into the flood
+                try:
+                    update["report"] = sender.push_tensors(1, named)
+                except Exception as e:  # reported by the assertion below, with the flood's result
+                    update["error"] = e
+
+            pusher = threading.Thread(target=push, name="weight-push", daemon=True)
+            started = time.perf_counter()
+            pusher.start()
+            statuses = asyncio.run(_flood(url))
+            flood_s = time.perf_counter() - started
+            pusher.join(timeout=90)
+            assert not pusher.is_alive(), "the weight update during the flood did not finish in 90 s"
+        finally:
+            poller.stop.set()
+            poller.join(timeout=15)
+            sender.close()
+
+        counts = Counter(statuses)
+        worst = max(latency for latency, _ in poller.samples)
+        print(
+            f"\n{REQUESTS} requests in {flood_s:.1f} s: {dict(counts)}; /health polled "
+            f"{len(poller.samples)} times, max latency {worst * 1000:.0f} ms"
+        )
+        assert set(counts) <= {200, 503}, f"answers other than 200/503: {counts}"
+        assert counts[200] >= MAX_ACTIVE, counts
+        assert all(status == 200 for _, status in poller.samples), poller.samples
+        assert worst < HEALTH_LIMIT_S, f"/health took {worst:.2f} s during the flood"
+        assert "error" not in update, f"weight update during the flood failed: {update.get('error')}"
+        assert all(r.ok for r in update["report"].results)
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert client.get("/health").json()["weight_version"] == 1
+            after = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            assert after.status_code == 200
+            assert after.json()["choices"][0]["weight_versions"][-1]["version"] == 1

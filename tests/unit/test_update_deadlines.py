@@ -1,0 +1,121 @@
+"""The update template's deadlines and recovery (inference_shim/backends/base.py), with engine calls that
+hang or fail on purpose (tests/unit/_fake_backend.py): a stuck pause, label, cache reset or resume fails
+the update cleanly (pending cleared, last_error set) instead of leaving it pending forever, and a server
+whose weights may be mixed never generates again (weights_incomplete) until restarted.
+
+    .venv/bin/python -m pytest -q tests/unit/test_update_deadlines.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from _fake_backend import FakeBackend
+
+from inference_shim.backends.base import ContractError, SamplingRequest
+from inference_shim.protocol import GroupState, TensorMeta, WeightUpdateRequest
+
+GROUP = GroupState(
+    master_address="127.0.0.1",
+    master_port=1,
+    rank_offset=1,
+    world_size=2,
+    backend="gloo",
+    group_name="weights",
+    server_id="s",
+    timeout_s=5,
+    ranks=[1],
+)
+
+
+def _update(backend: FakeBackend, timeout_s: float = 0.3) -> None:
+    req = WeightUpdateRequest(
+        version=1, timeout_s=timeout_s, tensors=[TensorMeta(name="w", dtype="float32", shape=[2])]
+    )
+    backend.pending = req.version
+
+    async def run():
+        await asyncio.wait_for(backend._run_update(req, GROUP, None), timeout=10)
+
+    asyncio.run(run())
+
+
+def _params() -> SamplingRequest:
+    return SamplingRequest(
+        max_tokens=1, temperature=1.0, top_p=1.0, top_k=-1, n=1, seed=None, stop=[], top_logprobs=0
+    )
+
+
+def test_a_clean_update_publishes_the_version():
+    backend = FakeBackend()
+    _update(backend)
+    assert backend.version == 1 and backend.pending is None and backend.last_error is None
+    assert not backend.paused and backend.unhealthy is None
+
+
+@pytest.mark.parametrize("stuck", ["pause"])
+def test_stuck_pause_fails_cleanly_and_keeps_serving(stuck):
+    backend = FakeBackend()
+    backend.hang.add(stuck)
+    _update(backend)
+    assert backend.pending is None and backend.version == 0
+    assert "pausing generation did not finish" in backend.last_error
+    assert backend.unhealthy is None  # nothing was applied: the old weights still serve
+    assert "resume" in backend.calls and not backend.paused  # a late pause cannot leave it paused
+    assert "abort_in_flight" not in backend.calls
+    backend.check_can_generate()
+
+
+@pytest.mark.parametrize("stuck", ["apply", "set_version_label", "reset_cache", "resume"])
+def test_stuck_step_after_the_pause_marks_weights_incomplete(stuck):
+    backend = FakeBackend()
+    backend.hang.add(stuck)
+    _update(backend)
+    assert backend.pending is None and backend.version == 0
+    assert "did not finish within" in backend.last_error
+    assert backend.unhealthy and "partially applied" in backend.unhealthy
+    assert backend.health().status == "unhealthy"
+    assert "abort_in_flight" in backend.calls and "discard" in backend.calls
+    with pytest.raises(ContractError) as e:
+        backend.check_can_generate()
+    assert (e.value.status, e.value.error) == (503, "weights_incomplete")
+
+
+def test_failed_apply_ends_in_flight_requests_with_503_not_their_tokens():
+    backend = FakeBackend()
+    backend.hold = True  # a request frozen in the engine while the update pauses it
+    backend.fail.add("apply")
+
+    async def scenario():
+        async def one_request():
+            async for _ in backend.generate([1, 2], _params(), stream=False):
+                pass
+
+        request = asyncio.create_task(one_request())
+        await asyncio.sleep(0.01)
+        req = WeightUpdateRequest(
+            version=1, timeout_s=1, tensors=[TensorMeta(name="w", dtype="float32", shape=[2])]
+        )
+        backend.pending = 1
+        await backend._run_update(req, GROUP, None)
+        backend.release.set()  # the engine lets it go after the failure
+        with pytest.raises(ContractError) as e:
+            await request
+        return e.value
+
+    error = asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+    assert (error.status, error.error) == (503, "weights_incomplete")
+    assert backend.pending is None and "apply failed" in backend.last_error
+
+
+def test_resume_that_never_returns_after_a_failed_pause_says_engine_paused():
+    backend = FakeBackend()
+    backend.fail.add("pause")
+    backend.hang.add("resume")
+    _update(backend)
+    assert backend.pending is None
+    assert backend.unhealthy and "left paused" in backend.unhealthy
+    with pytest.raises(ContractError) as e:
+        backend.check_can_generate()
+    assert e.value.error == "engine_paused"
