@@ -1,9 +1,10 @@
 """Pipelined chain relay of a flat buffer over a process group's point-to-point links.
 
 A gloo broadcast from the trainer (rank 0) to N servers on other hosts makes the trainer's link carry
-several copies of every bucket (gloo's broadcast has the root send the whole buffer to more than one
-peer, and a peer forwards only after the whole buffer arrived), so push time grows with N when that
-link is the bottleneck. Here the ranks form a chain instead, source first:
+several copies of every bucket: gloo's broadcast is a binomial tree whose root sends the whole buffer
+to ceil(log2(N + 1)) peers at once, and a peer forwards only after its whole buffer arrived. Over equal
+links that measured 2x the one-host time for 2 hosts and 4x for 4 (docs/benchmarks.md, section 6).
+Here the ranks form a chain instead, source first:
 
     order[0] -> order[1] -> order[2] -> ... -> order[-1]
 

@@ -242,8 +242,9 @@ def create_app(
         token_text = backend.token_text
         if not req.stream:
             async for choices in backend.generate(prompt_ids, params, stream=False):
+                backend.check_can_generate()  # an update failed mid-apply meanwhile: 503, not its tokens
                 return _json(chat_response(model_name(), prompt_ids, choices, want_logprobs, token_text))
-        generator = backend.generate(prompt_ids, params, stream=True)
+        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True))
         first = await _first_or_error(generator)  # errors before streaming starts become proper 4xx
 
         async def events():
@@ -276,10 +277,11 @@ def create_app(
         params = sampling(req, req.logprobs or 0, req.max_tokens or 16)
         if not req.stream:
             async for choices in backend.generate(prompt_ids, params, stream=False):
+                backend.check_can_generate()
                 return _json(
                     completion_response(model_name(), prompt_ids, choices, req.logprobs, backend.token_text)
                 )
-        generator = backend.generate(prompt_ids, params, stream=True)
+        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True))
         first = await _first_or_error(generator)
 
         async def events():
@@ -316,6 +318,17 @@ def _render_chat(backend: Backend, messages: list[dict], add_generation_prompt: 
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         # e.g. a role or an order of roles the model's chat template rejects (raise_exception in it)
         raise ContractError(400, "invalid_messages", f"the model's chat template refused them: {e}") from e
+
+
+async def _guarded(backend: Backend, generator):
+    """A stream's batches, each checked first: once an update failed mid-apply (weights_incomplete), not
+    one more token goes out; the stream ends with the in-band error instead. Every backend, one place."""
+    try:
+        async for batch in generator:
+            backend.check_can_generate()
+            yield batch
+    finally:
+        await generator.aclose()  # the engine's request ends now, not when the garbage collector runs
 
 
 async def _first_or_error(generator):

@@ -113,6 +113,11 @@ class TrainerConfig(_Section):
     )
     bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
     push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
+    weight_address: str = Field(
+        "127.0.0.1",
+        description="Address rank 0's weight-group store and gloo/NCCL rank listen on (set by --cluster: "
+        "the trainer host's address, which the servers must reach).",
+    )
     data_timeout_s: float = Field(600.0, gt=0, description="Deadline to receive the data of one step.")
     temperature: float = Field(1.0, gt=0, description="Logits are divided by this (match the sampler).")
     seed: int = Field(0, description="Trainer seed.")

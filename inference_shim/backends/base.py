@@ -206,7 +206,8 @@ class Backend(abc.ABC):
 
     async def _abort_in_flight(self) -> None:
         """Weights may be mixed (still paused): end every in-flight request now, so that none of them
-        decodes a token with them; their clients get 503 (check_can_generate in generate)."""
+        decodes a token with them; their clients get 503 (server.py checks check_can_generate on every
+        batch a backend yields, so a backend without this hook still sends none of those tokens)."""
         return None
 
     def _partially_applied(self, applying: bool) -> bool:

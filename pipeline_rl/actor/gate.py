@@ -27,7 +27,10 @@ Guarantees with one actor (R = 0), groups trained G per step in the order they w
       V_floor matters because groups finish out of order: without it, groups started later at a newer
       version could overtake g and push it past its bound.
 V, C and D come from events published after the fact and W from an exact count: stale values only
-make the gate stricter.
+make the gate stricter. The trainer enforces the lag bound again, exactly, when it trains a sample
+(trainer/step.py drop_stale: too-stale samples are dropped there and their groups still count in
+groups_consumed); this gate keeps such drops rare, it is not what the bound rests on. An entry acked
+without being trained must be counted in D (preprocessor duplicates are), or W - C grows for good.
 
 Several actors: an actor cannot see the others' groups in flight, so it reserves R (each other actor
 holding its whole share q) and keeps F <= q; the buffer bound then holds across all actors. q keeps

@@ -11,10 +11,9 @@ request with n=attempts, or one request per sample) on the server the router pic
 and writes ONE RolloutGroup once every sample is in. Nothing partial is ever written, so a group is
 written once; a failed request is retried on another server and its partial result never used.
 
-Ids: every process start draws a random incarnation, so group ids '<index>-<incarnation>:<prompt_index>'
-never repeat although a restarted actor walks its prompts from 0 again. Before a group goes to the
-stream, its sample ids are appended to the run's ledger (<run_dir>/ledger/actor<index>-<incarnation>.jsonl,
-pipeline_rl/ledger.py) as generated.
+Ids '<index>-<incarnation>:<prompt_index>' (a random incarnation per process start) never repeat,
+although a restarted actor walks its prompts from 0 again. Sample ids go to the run's ledger
+(pipeline_rl/ledger.py) as generated just before their group goes to the stream.
 """
 
 from __future__ import annotations
@@ -125,7 +124,7 @@ class Actor:
         self.cfg, self.index, self.stop, self.max_groups = cfg, actor_index, stop, max_groups
         # 48 random bits per process start: ids of two lives of one actor collide with odds ~2^-48.
         self.incarnation = uuid.uuid4().hex[:12]
-        self.ledger: LedgerWriter | None = None  # opened in run(): constructing an Actor writes nothing
+        self.ledger = LedgerWriter(cfg.run_dir, f"actor{actor_index}-{self.incarnation}")
         self.limits = GateLimits.from_config(cfg)
         self.task = make_task(cfg.task)
         self.summary = ActorSummary()
@@ -151,7 +150,6 @@ class Actor:
         start = time.monotonic()
         self.grader = Grader.from_config(self.task, self.cfg.task)
         events = make_reader(self.cfg.streams, TRAINER_EVENTS)
-        self.ledger = LedgerWriter(self.cfg.run_dir, f"actor{self.index}-{self.incarnation}")
         groups: set[asyncio.Task] = set()
         helpers: list[asyncio.Task] = []
         try:

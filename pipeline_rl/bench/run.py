@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("weight-sync")
     g.add_argument(
-        "--sizes", default=None, help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py)"
+        "--sizes",
+        default=None,
+        help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py); multihost uses the first",
     )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
     g = p.add_argument_group("multihost")

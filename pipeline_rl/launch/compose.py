@@ -19,7 +19,6 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipeline_rl.config import RunConfig
-
 from pipeline_rl.paths import CONF_DIR
 
 

@@ -30,9 +30,10 @@ _RECORDED_ENV_PREFIXES = (
     "CUDA_VISIBLE_DEVICES",
     "PYTHON",
     "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
 )
 # Never written into a command file, whatever the prefix: they are secrets.
-SECRET_ENV = frozenset({"PIPELINE_RL_TOKEN"})
+SECRET_ENV = frozenset({"PIPELINE_RL_TOKEN", "PIPELINE_RL_REDIS_PASSWORD"})
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ProcessSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cores: list[int] | None = None
-    port: int | None = None
+    port: int | None = None  # a server's HTTP port; the trainer's rendezvous port
     url: str | None = None  # base URL of a server; the launcher waits for its /health
     gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES entries (platform=gpu), shown in the plan
     secret_env: dict[str, str] = field(default_factory=dict)  # environment only, never in files or argv

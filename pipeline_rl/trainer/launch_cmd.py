@@ -2,6 +2,7 @@
 
     from pipeline_rl.trainer.launch_cmd import trainer_command
     argv = trainer_command(cfg, "runs/x/config.json")    # the launcher runs this (and writes it to a file)
+    argv = trainer_command(cfg, path, Rendezvous(num_machines=2, machine_rank=1, main_ip="10.0.0.1", port=29500))
 
 Contract (what the launcher can rely on):
   * argv[0] is this interpreter; the command is `python -m pipeline_rl.launch.trainer_agent`, which is
@@ -9,10 +10,14 @@ Contract (what the launcher can rely on):
     listens on the main process address only, not on every interface (see that module);
   * `--config_file conf/accelerate/<trainer.strategy>.yaml` (absolute path) picks the launcher
     (torchrun for ddp/fsdp, accelerate's DeepSpeed launcher for deepspeed_*), `--num_processes` is
-    trainer.num_processes, `--main_process_ip 127.0.0.1` and `--main_process_port` a port of it that
-    was free when the command was built (the ranks' rendezvous; it is not the weight-transfer port,
-    which the trainer picks itself);
-  * DeepSpeed strategies also get `--deepspeed_config_file conf/deepspeed/zero{2,3}.json` (absolute);
+    trainer.num_processes (ALL ranks: accelerate starts num_processes / num_machines on each machine),
+    `--num_machines`, `--machine_rank` and `--main_process_ip` from the rendezvous (default: one
+    machine, 127.0.0.1), `--main_process_port` the rendezvous port or, on one machine, a port that was
+    free when the command was built (the ranks' rendezvous; it is not the weight-transfer port, which
+    the trainer picks itself). Several machines use accelerate's own multi-node launch (torchrun's
+    static rendezvous at main_process_ip:port, served by machine rank 0), nothing home-made;
+  * DeepSpeed strategies also get `--deepspeed_config_file conf/deepspeed/zero{2,3}.json` (absolute),
+    and on several machines `--deepspeed_multinode_launcher standard` (torchrun on each node);
   * the ranks run `python -m pipeline_rl.cli train --config <config_path>` (pipeline_rl.trainer.main);
   * exit status: 0 after trainer.max_steps; non-zero on any failure (e.g. a server refused a weight push:
     the log's last "trainer failed:" line names it). SIGTERM/SIGINT to the command: torchrun's agent
@@ -28,10 +33,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inference_shim.procs import free_port
 from pipeline_rl.config import RunConfig
 from pipeline_rl.paths import CONF_DIR
+
+if TYPE_CHECKING:
+    from pipeline_rl.launch.plan import Rendezvous
 
 
 def accelerate_config_file(strategy: str) -> Path:
@@ -41,9 +50,16 @@ def accelerate_config_file(strategy: str) -> Path:
     return path
 
 
-def trainer_command(cfg: RunConfig, config_path: str) -> list[str]:
-    """argv that starts all trainer ranks for `cfg` (config.json already written at `config_path`)."""
+def trainer_command(cfg: RunConfig, config_path: str, rendezvous: Rendezvous | None = None) -> list[str]:
+    """argv that starts this machine's trainer ranks for `cfg` (config.json already written at
+    `config_path`); `rendezvous` None: all ranks on this machine."""
     t = cfg.trainer
+    machines = rendezvous.num_machines if rendezvous else 1
+    if t.num_processes % machines:
+        raise ValueError(
+            f"trainer.num_processes={t.num_processes} must split evenly over {machines} machines"
+        )
+    port = rendezvous.port if rendezvous and rendezvous.port else free_port()
     argv = [
         sys.executable,
         "-m",
@@ -53,15 +69,21 @@ def trainer_command(cfg: RunConfig, config_path: str) -> list[str]:
         "--num_processes",
         str(t.num_processes),
         "--num_machines",
-        "1",
+        str(machines),
+        "--machine_rank",
+        str(rendezvous.machine_rank if rendezvous else 0),
         "--main_process_ip",
-        "127.0.0.1",
+        rendezvous.main_ip if rendezvous else "127.0.0.1",
         "--main_process_port",
-        str(free_port()),
+        str(port),
     ]
     if t.strategy.startswith("deepspeed_"):
         stage = t.strategy.removeprefix("deepspeed_zero")
         argv += ["--deepspeed_config_file", str(CONF_DIR / "deepspeed" / f"zero{stage}.json")]
+        if machines > 1:
+            # One launcher per node, as for ddp/fsdp (torchrun), instead of accelerate's default
+            # multi-node DeepSpeed launcher, which would ssh (pdsh) into the other nodes itself.
+            argv += ["--deepspeed_multinode_launcher", "standard"]
     else:
         # accelerate warns about unset defaults otherwise; with a DeepSpeed config file these two are
         # rejected (they belong in the JSON).

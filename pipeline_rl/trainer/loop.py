@@ -93,9 +93,9 @@ class Trainer:
     ref_model: torch.nn.Module | None
     events: Writer | None  # rank 0 only
     metrics: MetricsLog | None  # rank 0 only
-    ledger: LedgerWriter | None  # rank 0 only
     saved_step: int
     saved_at: float  # time.monotonic() of the last checkpoint (or of the start), for the time cadence
+    ledger: LedgerWriter | None = None  # rank 0 only
 
     @classmethod
     def start(cls, cfg: RunConfig) -> Trainer:

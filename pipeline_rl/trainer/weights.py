@@ -67,6 +67,9 @@ class WeightPublisher:
             backend=self.cfg.inference.weight_transport,
             bucket_bytes=t.bucket_mb * 1024 * 1024,
             timeout_s=t.push_timeout_s,
+            # The servers connect to this address: loopback on one host, the trainer host's address on
+            # several (pipeline_rl/launch/cluster.py sets it from the cluster file).
+            master_address=t.weight_address,
         )
         self.sender.connect()
         log.info("weight group joined with %d server(s): %s", len(self.urls), self.urls)

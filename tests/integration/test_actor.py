@@ -414,11 +414,12 @@ def test_a_restarted_actor_never_repeats_an_id_of_its_previous_life(servers, red
         proc = subprocess.run([*argv, "--max-groups", "2"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     groups = _read_all(cfg, ROLLOUTS)
-    assert len(groups) == 4 and len({g.incarnation for g in groups}) == 2
+    assert len(groups) == 4
     assert set(Counter(g.prompt_index for g in groups).values()) == {2}  # the same prompts again
     group_ids = [g.group_id for g in groups]
     sample_ids = [s.sample_id for g in groups for s in g.samples]
-    assert len(set(group_ids)) == 4 and len(set(sample_ids)) == 8
+    assert len(set(group_ids)) == 4 and len(set(sample_ids)) == 8, group_ids
+    assert len({g.incarnation for g in groups}) == 2
     from pipeline_rl.ledger import ledger_dir, ledger_summary
 
     assert len(list(ledger_dir(cfg.run_dir).glob("actor0-*.jsonl"))) == 2  # one file per life

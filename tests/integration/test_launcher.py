@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_rl.launch.compose import ConfigError
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,7 +190,7 @@ def test_switching_engine_changes_only_the_backend():
 
 def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
     from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.main import resolve
+    from pipeline_rl.launch.plan import resolve
 
     cfg = resolve(compose(["mode=sync", "actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
     assert cfg.actor.max_lag == 0 and cfg.actor.max_buffered_groups == 4
@@ -199,7 +200,7 @@ def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
 
 def test_servers_run_the_shim_with_the_token_in_their_environment(tmp_path):
     from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.main import plan, resolve
+    from pipeline_rl.launch.plan import plan, resolve
 
     cfg = resolve(compose(["inference.num_servers=2"]), tmp_path, {"servers"})
     specs = plan(cfg, tmp_path, {"servers"})
@@ -221,25 +222,29 @@ def _gpu_cfg(gpus: int, ranks: int, servers: int, *extra: str):
 
 def test_gpu_plan_never_puts_a_server_on_a_trainer_gpu_unless_asked():
     from pipeline_rl.launch.compose import ConfigError
-    from pipeline_rl.launch.main import place_gpus, visible_gpus
+    from pipeline_rl.launch.plan import local_share, place_gpus, visible_gpus
 
     all_roles = {"servers", "trainer", "preprocessors", "actors"}
+
+    def place(cfg, roles, gpus):
+        return place_gpus(cfg, local_share(cfg, roles), gpus)
+
     cfg = _gpu_cfg(4, 2, 2)
-    placement = place_gpus(cfg, all_roles, visible_gpus(cfg))
+    placement = place(cfg, all_roles, visible_gpus(cfg))
     assert placement == {"trainer": ["0", "1"], "server0": ["2"], "server1": ["3"]}
     # A node that runs only the servers gives them its GPUs from the first.
-    assert place_gpus(cfg, {"servers"}, ["0", "1"]) == {"server0": ["0"], "server1": ["1"]}
+    assert place(cfg, {"servers"}, ["0", "1"]) == {"server0": ["0"], "server1": ["1"]}
     # The launcher's own CUDA_VISIBLE_DEVICES spelling is what the children get.
-    assert place_gpus(cfg, all_roles, ["4", "5", "6", "7"])["server1"] == ["7"]
+    assert place(cfg, all_roles, ["4", "5", "6", "7"])["server1"] == ["7"]
 
     with pytest.raises(ConfigError, match=r"need 4 GPUs.*has 3.*placement.colocate=true"):
-        place_gpus(_gpu_cfg(3, 2, 2), all_roles, ["0", "1", "2"])
-    with pytest.raises(ConfigError, match="lower trainer.num_processes to at most 1"):
-        place_gpus(_gpu_cfg(1, 2, 1, "placement.colocate=true"), all_roles, ["0"])
+        place(_gpu_cfg(3, 2, 2), all_roles, ["0", "1", "2"])
+    with pytest.raises(ConfigError, match="lower trainer.num_processes .*to at most 1"):
+        place(_gpu_cfg(1, 2, 1, "placement.colocate=true"), all_roles, ["0"])
     with pytest.raises(ConfigError, match="no visible GPU"):
-        place_gpus(_gpu_cfg(0, 1, 1), all_roles, [])
+        place(_gpu_cfg(0, 1, 1), all_roles, [])
     # Colocation is a mode: asked for, the servers wrap around onto the trainer's GPUs.
-    shared = place_gpus(_gpu_cfg(3, 2, 2, "placement.colocate=true"), all_roles, ["0", "1", "2"])
+    shared = place(_gpu_cfg(3, 2, 2, "placement.colocate=true"), all_roles, ["0", "1", "2"])
     assert shared == {"trainer": ["0", "1"], "server0": ["2"], "server1": ["0"]}
 
 
@@ -261,11 +266,12 @@ def test_secrets_stay_out_of_config_json_and_children_still_get_them(tmp_path):
     """config.json names the 0600 secrets file; load_run_config (what every child calls) merges it."""
     from pipeline_rl.config import load_run_config
     from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.main import Launcher, resolve
+    from pipeline_rl.launch.plan import local_share, resolve
     from pipeline_rl.launch.processes import ProcessSpec
+    from pipeline_rl.launch.runner import Launcher
 
     cfg = resolve(compose(["streams.redis_url=redis://:s3cret@127.0.0.1:7/0"]), tmp_path, {"servers"})
-    launcher = Launcher(cfg, tmp_path, {"servers"})
+    launcher = Launcher(cfg, tmp_path, local_share(cfg, {"servers"}))
     launcher.run_dir.mkdir(exist_ok=True)
     specs = launcher._prepare({"PATH": os.environ["PATH"]}, status_port=0)
     launcher.status_server.shutdown()
@@ -283,3 +289,94 @@ def test_secrets_stay_out_of_config_json_and_children_still_get_them(tmp_path):
         assert script.stat().st_mode & 0o777 == 0o700 and cfg.inference.token not in script.read_text()
         assert f"source {tmp_path / 'secrets' / spec.name}.env" in script.read_text()
         assert (tmp_path / "secrets" / f"{spec.name}.env").stat().st_mode & 0o777 == 0o600
+
+
+CLUSTER = {
+    "run_dir": "/tmp/prl-cluster-plan",
+    "hosts": [
+        {"name": "a", "address": "10.9.0.1", "redis_port": 6390, "trainer_ranks": 2, "preprocessors": 1},
+        {"name": "b", "address": "10.9.0.2", "trainer_ranks": 2, "actors": 2},
+        {"name": "c", "address": "10.9.0.3", "server_ports": [8001, 8002], "actors": 1},
+    ],
+}
+
+
+def test_cluster_file_gives_each_node_its_share_and_the_same_config(tmp_path):
+    import yaml
+
+    from pipeline_rl.launch.cluster import cluster_config, load_cluster, node_share
+    from pipeline_rl.launch.plan import plan
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(CLUSTER))
+    spec = load_cluster(path)
+    env = {"PIPELINE_RL_TOKEN": "t" * 20, "PIPELINE_RL_REDIS_PASSWORD": "p" * 20}
+    cfg = cluster_config(spec, ["trainer.max_steps=3"], env, need_secrets=True)
+    assert cfg.inference.urls == ["http://10.9.0.3:8001", "http://10.9.0.3:8002"]
+    assert cfg.streams.redis_url == f"redis://:{'p' * 20}@10.9.0.1:6390/0"
+    assert cfg.trainer.num_processes == 4 and cfg.trainer.weight_address == "10.9.0.1"
+    assert (cfg.actor.num_actors, cfg.num_preprocessors) == (3, 1)
+
+    a, b, c = (node_share(spec, cfg, n) for n in "abc")
+    assert a.redis == ("10.9.0.1", 6390) and b.redis is None and a.evaluates and not b.evaluates
+    assert (b.actors, c.actors, c.servers) == ([0, 1], [2], [0, 1])
+    trainer = next(s for s in plan(cfg, tmp_path, b) if s.role == "trainer").argv
+    flags = {k: trainer[trainer.index(k) + 1] for k in ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port")}  # fmt: skip
+    assert flags == {"--num_processes": "4", "--num_machines": "2", "--machine_rank": "1",
+                     "--main_process_ip": "10.9.0.1", "--main_process_port": "29500"}  # fmt: skip
+    servers = [s for s in plan(cfg, tmp_path, c) if s.role == "servers"]
+    assert [s.argv[s.argv.index("--host") + 1] for s in servers] == ["10.9.0.3", "10.9.0.3"]
+    assert all(s.env["GLOO_SOCKET_IFNAME"] == "eth0" for s in servers)
+
+    with pytest.raises(ConfigError, match="PIPELINE_RL_TOKEN and PIPELINE_RL_REDIS_PASSWORD must be set"):
+        cluster_config(spec, [], {}, need_secrets=True)
+    with pytest.raises(ConfigError, match="set by the cluster file"):
+        cluster_config(spec, ["actor.num_actors=5"], env, need_secrets=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda c: c["hosts"][1].update(trainer_ranks=1), ["trainer_ranks differ", "same trainer_ranks"]),
+        (
+            lambda c: c["hosts"][2].update(address="0.0.0.0"),
+            ["hosts.2(c).address", "cluster-network address"],
+        ),
+        (lambda c: c["hosts"][2].update(address="node3"), ["not an IP address"]),
+        (lambda c: c["hosts"][1].update(redis_port=6390), ["one host runs the run's Redis"]),
+        (lambda c: c["hosts"][2].update(server_ports=[]), ["no host runs servers"]),
+        (lambda c: c["hosts"][0].update(gpu=1), ["hosts.0(a).gpu", "unknown key"]),
+    ],
+)
+def test_bad_cluster_file_says_what_to_fix(tmp_path, change, words):
+    import copy
+
+    import yaml
+
+    cluster = copy.deepcopy(CLUSTER)
+    change(cluster)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline_rl.cli", "launch", "--cluster", str(path), "--dry-run"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    for word in words:
+        assert word in result.stderr, (word, result.stderr)
+
+
+def test_cluster_dry_run_prints_every_node_from_any_node(tmp_path):
+    import yaml
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(CLUSTER))
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline_rl.cli", "launch", "--cluster", str(path), "--dry-run"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PIPELINE_RL_TOKEN": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for text in ("== node a (10.9.0.1", "== node b", "== node c", "machine rank 1 of 2",
+                 "http://10.9.0.3:8002", "redis://10.9.0.1:6390/0", "actor2"):  # fmt: skip
+        assert text in result.stdout, (text, result.stdout)
+    assert not Path(CLUSTER["run_dir"]).exists(), "a dry run creates nothing"

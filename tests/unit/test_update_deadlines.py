@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from _fake_backend import FakeBackend
 
 from inference_shim.backends.base import ContractError, SamplingRequest
 from inference_shim.protocol import GroupState, TensorMeta, WeightUpdateRequest
+from inference_shim.server import create_app
 
 GROUP = GroupState(
     master_address="127.0.0.1",
@@ -82,31 +84,33 @@ def test_stuck_step_after_the_pause_marks_weights_incomplete(stuck):
     assert (e.value.status, e.value.error) == (503, "weights_incomplete")
 
 
-def test_failed_apply_ends_in_flight_requests_with_503_not_their_tokens():
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_apply_answers_in_flight_requests_503_not_their_tokens(stream):
     backend = FakeBackend()
     backend.hold = True  # a request frozen in the engine while the update pauses it
     backend.fail.add("apply")
+    app = create_app(backend, backend.metrics)
 
     async def scenario():
-        async def one_request():
-            async for _ in backend.generate([1, 2], _params(), stream=False):
-                pass
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://shim") as client:
+            body = {"prompt": [1, 2], "max_tokens": 1, "stream": stream}
+            request = asyncio.create_task(client.post("/v1/completions", json=body))
+            while backend.in_flight < 1:
+                await asyncio.sleep(0.01)
+            req = WeightUpdateRequest(
+                version=1, timeout_s=1, tensors=[TensorMeta(name="w", dtype="float32", shape=[2])]
+            )
+            backend.pending = 1
+            await backend._run_update(req, GROUP, None)
+            backend.release.set()  # the engine lets it go after the failure
+            return await request
 
-        request = asyncio.create_task(one_request())
-        await asyncio.sleep(0.01)
-        req = WeightUpdateRequest(
-            version=1, timeout_s=1, tensors=[TensorMeta(name="w", dtype="float32", shape=[2])]
-        )
-        backend.pending = 1
-        await backend._run_update(req, GROUP, None)
-        backend.release.set()  # the engine lets it go after the failure
-        with pytest.raises(ContractError) as e:
-            await request
-        return e.value
-
-    error = asyncio.run(asyncio.wait_for(scenario(), timeout=10))
-    assert (error.status, error.error) == (503, "weights_incomplete")
+    response = asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+    # Streamed too: a stream's first batch is awaited before its status line, so the 503 is proper.
+    assert response.status_code == 503 and response.json()["error"] == "weights_incomplete"
     assert backend.pending is None and "apply failed" in backend.last_error
+    assert "abort_in_flight" in backend.calls
 
 
 def test_resume_that_never_returns_after_a_failed_pause_says_engine_paused():

@@ -1,0 +1,387 @@
+"""The launcher's run of one node: start its share in order, supervise, stop everything, report.
+
+    Launcher(cfg, node_dir, share).run(status_port)     # pipeline_rl/launch/main.py builds the arguments
+
+Order, each step with a deadline: Redis (if this node runs it) -> run directory files (config.json,
+secrets, command files, placement map) -> this node's servers (healthy) -> on several hosts, the peers
+this node needs (Redis reachable, every server healthy) -> baseline evaluation (the evaluating node)
+-> trainer ranks -> every server joined the weight group (nodes with a trainer or actors) ->
+preprocessors -> actors -> supervise -> final evaluation -> stop everything -> summary + plots.
+
+When a node is done: a node with trainer ranks when its ranks exit 0; a node without, once the trainer
+published its last version, except that servers keep serving until the launcher is stopped (SIGINT or
+SIGTERM), so the final evaluation (and anyone else) can still use them. If any child dies, the launcher
+names it, prints the tail of its log, stops the rest and exits non-zero. The node that runs Redis keeps
+it up at the end until the other nodes' processes have disconnected (at most REDIS_LINGER_S), so a
+trainer rank finishing its last step elsewhere still finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from inference_shim.procs import wait_healthy
+from pipeline_rl.config import RunConfig, public_config, secret_fields
+from pipeline_rl.launch.plan import NodeShare, plan, print_plan
+from pipeline_rl.launch.processes import (
+    Child,
+    ChildFailed,
+    ProcessSpec,
+    stop_all,
+    wait_all_healthy,
+    write_command_file,
+)
+from pipeline_rl.streams.config import redact_url
+from pipeline_rl.streams.redis_server import write_private
+
+REDIS_LINGER_S = 60.0
+
+
+class PeerMissing(RuntimeError):
+    """A process on another node (Redis, a server) did not come up in time."""
+
+
+class Launcher:
+    def __init__(
+        self, cfg: RunConfig, run_dir: Path, share: NodeShare, progress_every_s: float = 10.0
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir  # this node's directory: the run directory itself on one host
+        self.share = share
+        self.roles = share.roles()
+        self.progress_every_s = progress_every_s
+        self.children: list[Child] = []
+        self.redis = None
+        self.monitor = None
+        self.status_server = None
+        self.stop_requested: str | None = None
+        self.evals: dict = {}
+        self._eval_thread = None
+        self.monitor_closed = False
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_requested = signal.Signals(signum).name
+
+    def run(self, status_port: int, env: dict[str, str]) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        started = time.time()
+        try:
+            specs = self._prepare(env, status_port)
+            by_role = {role: [s for s in specs if s.role == role] for role in ("servers", "trainer")}
+            self._start(by_role["servers"], env)
+            wait_all_healthy(self.children, self.cfg.inference.startup_timeout_s)
+            self._wait_peers()
+            if self._interrupted():
+                return 130
+            if self.share.evaluates:
+                self._evaluate("before")
+            self._start(by_role["trainer"], env)
+            if self.share.trainer or self.share.actors:
+                self._wait_trainer_joined()
+            self._start([s for s in specs if s.role in ("preprocessors", "actors")], env)
+            code = self._supervise()
+            if code == 0 and self.share.evaluates:
+                self._evaluate("after")
+            return code
+        except ChildFailed as e:
+            return self._fail(e.child, str(e))
+        except PeerMissing as e:
+            print(f"\nERROR: {e}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self._shutdown(started)
+
+    def _prepare(self, env: dict, status_port: int) -> list[ProcessSpec]:
+        from pipeline_rl.launch.monitor import RunMonitor, serve_status
+
+        cfg = self.cfg
+        if self.share.redis is not None:
+            from redis.connection import parse_url
+
+            from pipeline_rl.streams import RedisServer
+
+            host, port = self.share.redis
+            # Several hosts: address, port and password are the cluster's (in redis_url already).
+            password = parse_url(cfg.streams.redis_url)["password"] if cfg.streams.redis_url else None
+            self.redis = RedisServer(data_dir=self.run_dir / "redis", host=host, port=port, password=password)
+            self.redis.start()
+            if not cfg.streams.redis_url:
+                streams = cfg.streams.model_copy(update={"redis_url": self.redis.url})
+                cfg = cfg.model_copy(update={"streams": streams})
+        # Secrets go to secrets/ (0700, files 0600); config.json and cmd/*.sh stay free of them.
+        secrets_dir = self.run_dir / "secrets"
+        secrets_dir.mkdir(exist_ok=True)
+        secrets_dir.chmod(0o700)
+        secrets_file = secrets_dir / "run.json"
+        write_private(secrets_file, json.dumps(secret_fields(cfg), indent=2) + "\n")
+        cfg = cfg.model_copy(update={"secrets_file": str(secrets_file)})
+        self.cfg = cfg
+        (self.run_dir / "config.json").write_text(public_config(cfg).model_dump_json(indent=2) + "\n")
+        specs = plan(cfg, self.run_dir, self.share)
+        (self.run_dir / "cmd").mkdir(exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        for spec in specs:
+            write_command_file(spec, env, self.run_dir / "cmd" / f"{spec.name}.sh", secrets_dir)
+        print_plan(cfg, specs, self.run_dir, status_port, self.share)
+        if self.share.cluster and self.redis is None and cfg.streams.backend == "redis":
+            self._wait_redis()  # the monitor reads the streams from the start
+        self.monitor = RunMonitor(cfg, self.run_dir)
+        self.status_server = serve_status(status_port, lambda: self.monitor.status(self.children))
+        return specs
+
+    def _wait_redis(self) -> None:
+        import redis
+
+        deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
+        client = redis.Redis.from_url(self.cfg.streams.redis_url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            while not self._interrupted():
+                try:
+                    client.ping()
+                    return
+                except redis.RedisError as e:
+                    if time.monotonic() > deadline:
+                        where = redact_url(self.cfg.streams.redis_url)
+                        raise PeerMissing(f"Redis at {where} unreachable: {type(e).__name__}: {e}") from None
+                time.sleep(0.5)
+        finally:
+            client.close()
+
+    def _wait_peers(self) -> None:
+        """Several hosts: a node whose processes use the servers waits until every server is healthy."""
+        if not self.share.cluster or not (self.share.trainer or self.share.actors or self.share.evaluates):
+            return
+        deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
+        for url in self.cfg.inference.urls:
+            if self._interrupted():
+                return
+            try:
+                wait_healthy(url, max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise PeerMissing(f"server {url} (on another node) not healthy in time") from None
+        print("every server of the run is healthy", flush=True)
+
+    def _start(self, specs: list[ProcessSpec], env: dict) -> None:
+        for spec in specs:
+            child = Child(spec, self.run_dir / "logs" / f"{spec.name}.log")
+            child.start(env)
+            self.children.append(child)
+            print(f"started {spec.name} (pid {child.proc.pid}), log: logs/{spec.name}.log", flush=True)
+
+    def _wait_trainer_joined(self) -> None:
+        """The trainer is up once every server reports a joined weight group (the trainer may be on
+        another node: then only the deadline and the local children can fail the wait)."""
+        slack = self.cfg.inference.startup_timeout_s if self.share.cluster else 0.0
+        deadline = time.monotonic() + self.cfg.trainer.push_timeout_s + 120 + slack
+        trainer = next((c for c in self.children if c.spec.role == "trainer"), None)
+        while time.monotonic() < deadline:
+            for child in self.children:
+                if child.poll() is not None:
+                    raise ChildFailed(
+                        child, f"exited with code {child.poll()} before the weight group formed"
+                    )
+            if self._interrupted():
+                return
+            states = []
+            for url in self.cfg.inference.urls:
+                try:
+                    states.append(httpx.get(f"{url}/debug/state", timeout=2).json().get("group"))
+                except (httpx.HTTPError, ValueError):
+                    states.append(None)
+            if all(states):
+                print("trainer joined the weight group of every server", flush=True)
+                return
+            time.sleep(0.5)
+        if trainer is None:
+            raise PeerMissing("the trainer (on another node) did not join the weight group of every server")
+        raise ChildFailed(trainer, "did not join the weight group of every server in time")
+
+    def _periodic_eval(self) -> None:
+        """eval.every_s > 0: evaluate in a background thread; results land in stats.jsonl as type 'eval'."""
+        import threading
+
+        def run() -> None:
+            try:
+                result = self._evaluation()
+            except Exception as e:  # a failed evaluation is reported, the run goes on
+                print(f"(periodic evaluation failed: {e})", flush=True)
+                return
+            self._record_eval(result, "periodic")
+
+        if self._eval_thread is None or not self._eval_thread.is_alive():
+            self._eval_thread = threading.Thread(target=run, name="periodic-eval", daemon=True)
+            self._eval_thread.start()
+
+    def _poll_streams(self) -> None:
+        try:
+            self.monitor.poll_streams()
+        except Exception as e:
+            if not self.share.cluster:
+                raise
+            # Another node's Redis may be gone at the end of a run: progress display only.
+            print(f"(streams unreachable: {type(e).__name__}: {e})", flush=True)
+
+    def _close_streams(self) -> None:
+        """Close the monitor's readers and this process's Redis connections (the Redis node waits for
+        every other node's connections to close before it stops)."""
+        self.monitor.close()
+        self.monitor_closed = True
+        if self.cfg.streams.backend == "redis":
+            from pipeline_rl.streams.redis_backend import redis_client
+
+            # The streams layer shares one pool per process and URL; closing a reader leaves it open.
+            redis_client(
+                self.cfg.streams.redis_url, self.cfg.streams.op_timeout_s
+            ).connection_pool.disconnect()
+
+    def _supervise(self) -> int:
+        last_progress = 0.0
+        last_eval = time.monotonic()
+        deadline = time.monotonic() + self.cfg.max_wall_s if self.cfg.max_wall_s else None
+        trainer = next((c for c in self.children if c.spec.role == "trainer"), None)
+        run_over = False
+        while True:
+            if self._interrupted():
+                print(f"\n{self.stop_requested}: stopping every process", flush=True)
+                return 0 if run_over else 130
+            for child in self.children:
+                code = child.poll()
+                if code is None:
+                    continue
+                if child is trainer and code == 0:
+                    self._poll_streams()
+                    print(f"trainer finished ({self.monitor.version} steps)", flush=True)
+                    return 0
+                return self._fail(child, f"exited with code {code}")
+            if deadline is not None and time.monotonic() > deadline and trainer is not None:
+                print(
+                    f"max_wall_s={self.cfg.max_wall_s:.0f} reached: asking the trainer to checkpoint and stop",
+                    flush=True,
+                )
+                trainer.signal(signal.SIGTERM)
+                if not trainer.wait(self.cfg.trainer.push_timeout_s + 60):
+                    return self._fail(trainer, "did not stop after SIGTERM")
+                self._poll_streams()
+                return 0
+            if not run_over:
+                self._poll_streams()
+            if trainer is None and not run_over and self.monitor.version >= self.cfg.trainer.max_steps:
+                run_over = True
+                print(f"the trainer published its last version ({self.monitor.version})", flush=True)
+                if not self.share.servers:
+                    return 0
+                # Stop reading the streams so that the Redis node can end; the servers stay up.
+                self._close_streams()
+                print("servers keep serving until this launcher is stopped (Ctrl-C / SIGTERM)", flush=True)
+            if self.cfg.eval.every_s and time.monotonic() - last_eval >= self.cfg.eval.every_s:
+                if self.share.evaluates:
+                    self._periodic_eval()
+                last_eval = time.monotonic()
+            if time.monotonic() - last_progress >= self.progress_every_s:
+                self.monitor.poll_servers(self.cfg.inference.urls)
+                print(self.monitor.progress_line(), flush=True)
+                last_progress = time.monotonic()
+            time.sleep(0.5)
+
+    def _interrupted(self) -> bool:
+        return self.stop_requested is not None
+
+    def _fail(self, child: Child, what: str) -> int:
+        print(f"\nERROR: {child.name} {what}. Last lines of logs/{child.name}.log:", file=sys.stderr)
+        print(child.log_tail(), file=sys.stderr)
+        print(
+            f"(stopping every other process; full logs in {self.run_dir / 'logs'})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+    def _record_eval(self, result: dict, when: str) -> None:
+        """Append an evaluation to stats.jsonl, where the report's plots and the benchmarks read it."""
+        row = {"type": "eval", "time": time.time(), "when": when, **result}
+        with (self.run_dir / "stats.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _evaluation(self) -> dict:
+        from pipeline_rl.launch.evaluate import evaluate_server
+
+        e = self.cfg.eval
+        token = self.cfg.inference.token
+        return evaluate_server(
+            self.cfg.inference.urls[0], self.cfg.task, e.num_problems, e.max_tokens, token=token
+        )
+
+    def _evaluate(self, when: str) -> None:
+        result = self._evaluation()
+        self.evals[when] = result
+        self._record_eval(result, when)
+        print(
+            f"held-out accuracy {when} RL: {result['accuracy']:.1%} (weight version {result['weight_version']})",
+            flush=True,
+        )
+
+    def _shutdown(self, started: float) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        order = ["actors", "preprocessors", "trainer", "servers"]
+        stop_all(sorted(self.children, key=lambda c: order.index(c.spec.role)), grace_s=10.0)
+        if self.monitor is not None and not self.monitor_closed:
+            try:
+                self.monitor.poll_streams()
+            except Exception as e:  # the report must not hide the run's own result
+                print(f"(could not read the last stats: {e})", file=sys.stderr)
+            self.monitor.close()
+        if self.status_server is not None:
+            self.status_server.shutdown()
+        if self.redis is not None:
+            if self.share.cluster and not self._interrupted():  # a stop request means now
+                self._wait_other_nodes_off_redis()
+            self.redis.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.monitor is not None and "trainer" in self.roles:
+            self._report(started)
+
+    def _wait_other_nodes_off_redis(self) -> None:
+        """Keep Redis up while processes of other nodes still use it (a trainer rank's last step)."""
+        import redis
+
+        client = redis.Redis.from_url(self.cfg.streams.redis_url, socket_timeout=2)
+        deadline = time.monotonic() + REDIS_LINGER_S
+        try:
+            me = client.client_id()
+            others = [c for c in client.client_list() if int(c["id"]) != me]
+            if others:
+                print(f"waiting for {len(others)} Redis client(s) of other nodes to finish", flush=True)
+            while others and time.monotonic() < deadline:
+                time.sleep(0.5)
+                others = [c for c in client.client_list() if int(c["id"]) != me]
+            if others:
+                where = ", ".join(sorted({c.get("addr", "?").rsplit(":", 1)[0] for c in others}))
+                print(
+                    f"(stopping Redis with {len(others)} client(s) still connected from {where})", flush=True
+                )
+        except redis.RedisError as e:
+            print(f"(could not list Redis clients: {e})", flush=True)
+        finally:
+            client.close()
+
+    def _report(self, started: float) -> None:
+        from pipeline_rl.launch.report import make_plots, summarize
+
+        extra = {"mode": self.cfg.mode}
+        if "before" in self.evals:
+            extra["accuracy_before"] = self.evals["before"]["accuracy"]
+        if "after" in self.evals:
+            extra["accuracy_after"] = self.evals["after"]["accuracy"]
+            extra["final_weight_version"] = self.evals["after"]["weight_version"]
+        summary = summarize(self.run_dir, started, extra)
+        plots = make_plots(self.run_dir, started)
+        print("\n=== summary ===")
+        print(json.dumps(summary, indent=2))
+        print("plots: " + ", ".join(str(p) for p in plots))
