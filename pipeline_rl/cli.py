@@ -91,6 +91,10 @@ PASSTHROUGH = {
         "benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim",
         "pipeline_rl.bench.run:main",
     ),
+    "report": (
+        "summary, sample ledger and plots of a run directory (finished or running)",
+        "pipeline_rl.launch.report:main",
+    ),
 }
 
 

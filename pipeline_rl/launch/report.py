@@ -1,15 +1,17 @@
 """End-of-run summary and plots from <run_dir>/stats.jsonl (written by pipeline_rl/launch/monitor.py).
 
-    python -m pipeline_rl.launch.report runs/2026-11-22-120000      # re-make the plots of a finished run
+    pipeline-rl report runs/2026-11-22-120000      # plots, summary and the sample ledger of a run
 
 Plots (PNG, in the run directory): reward vs wall time, reward vs samples, lag of trained tokens per step, throughput over time. The summary (summary.json) holds the figures the README quotes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
+
+from pipeline_rl.ledger import ledger_summary
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -121,6 +123,7 @@ def summarize(run_dir: Path, started_at: float, extra: dict) -> dict:
         "reward_last_steps": _mean([r.get("reward") for r in trainer[-5:]]),
         "lag_max": lag_max,
         "steps_with_mixed_versions": mixed,
+        "ledger": _ledger(run_dir),
         **extra,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -132,9 +135,32 @@ def _mean(values) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
 
-if __name__ == "__main__":
-    run = Path(sys.argv[1])
-    rows = _rows(run)
+def _ledger(run_dir: Path) -> dict:
+    ledger = ledger_summary(run_dir)
+    return {
+        "balanced": ledger.balanced,
+        "generated": ledger.generated,
+        "trained": ledger.trained,
+        "dropped": ledger.dropped,
+        "in_flight": len(ledger.in_flight),
+        "duplicates_trained": ledger.duplicates_trained[:20],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`pipeline-rl report RUN_DIR`: re-make the plots, print the summary and the sample ledger."""
+    parser = argparse.ArgumentParser(prog="pipeline-rl report", description=main.__doc__)
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    rows = _rows(args.run_dir)
     start = min((r.get("time", 0) for r in rows if r.get("time")), default=0)
-    for p in make_plots(run, start):
-        print(p)
+    for path in make_plots(args.run_dir, start):
+        print(path)
+    summary_path = args.run_dir / "summary.json"
+    if summary_path.exists():
+        print(summary_path.read_text().strip())
+    print("\n".join(ledger_summary(args.run_dir).lines()))
+
+
+if __name__ == "__main__":
+    main()
