@@ -19,16 +19,18 @@ from typing import Any
 
 import httpx
 
-from inference_shim.protocol import (
-    Capabilities,
+from inference_shim.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
+    StreamError,
+)
+from inference_shim.protocol import (
+    Capabilities,
     DebugState,
     HealthResponse,
     InitProcessGroupRequest,
     InitProcessGroupResponse,
-    StreamError,
     WeightUpdateAccepted,
     WeightUpdateRequest,
 )

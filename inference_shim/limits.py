@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from inference_shim.backends.base import ContractError
-from inference_shim.protocol import ChatCompletionRequest, CompletionRequest
+from inference_shim.backends.common import ContractError
+from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from inference_shim.backends.base import ChoiceDelta, ContractError
-from inference_shim.protocol import (
+from inference_shim.backends.common import ChoiceDelta, ContractError
+from inference_shim.openai_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -25,7 +25,7 @@ import hashlib
 import hmac
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -134,6 +134,14 @@ class WeightUpdateRequest(_Strict):
     )
     timeout_s: float = Field(
         default=120.0, gt=0, le=3600, description="Deadline for the decision, transfer and apply."
+    )
+    fanout: Literal["broadcast", "chain"] = Field(
+        default="broadcast",
+        description="How each bucket travels: one broadcast from rank 0, or a chain relay in rank order "
+        "(each rank forwards chunks to the next; only if the server lists it in capabilities.fanouts).",
+    )
+    fanout_chunk_bytes: int = Field(
+        default=1 << 20, ge=4096, le=64 << 20, description="Chunk size of a chain relay."
     )
 
 
@@ -282,6 +290,9 @@ class Capabilities(BaseModel):
     per_token_versions: bool
     staged_receive: bool = Field(description="Receives while generating; pauses only to apply.")
     max_model_len: int
+    fanouts: list[str] = Field(
+        default=["broadcast"], description="Bucket fan-outs this server's workers can take part in."
+    )
 
 
 class UpdateTimings(BaseModel):
@@ -341,185 +352,3 @@ class DebugState(BaseModel):
 class ErrorResponse(BaseModel):
     error: str
     detail: str | None = None
-
-
-# ----------------------------------------------------------------------------------------------------
-# OpenAI-compatible generation (only the fields we honour; extra OpenAI fields are accepted and ignored)
-# ----------------------------------------------------------------------------------------------------
-class VersionSpan(BaseModel):
-    """Tokens [start, end) of a completion were produced by weight version `version`."""
-
-    version: int
-    start: int
-    end: int
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class _SamplingFields(BaseModel):
-    # OpenAI clients send many optional fields; unknown ones are tolerated, the ones below are honoured.
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    n: int = Field(default=1, ge=1, le=256)
-    # vLLM seeds a torch generator: a seed outside [0, 2**63) is an OverflowError deep in the engine.
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    ignore_eos: bool = False
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[Annotated[int, Field(ge=0)]] = Field(
-        description="Text, or token ids (no chat template applied; each in the model's vocabulary)."
-    )
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-
-
-# Responses tolerate unknown fields (OpenAI adds fields over time). Extensions beyond OpenAI's schema:
-# `prompt_token_ids`, and per choice `token_ids` and `weight_versions`.
-class _Response(BaseModel):
-    # -inf logprobs go out as -Infinity (what json.dumps writes and Python's json reads), not null.
-    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
-
-
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: list[TokenLogprob] | None = None
-
-
-class AssistantMessage(_Response):
-    role: str | None = "assistant"
-    content: str | None = None
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] | None = None
-    token_logprobs: list[float] | None = None
-    top_logprobs: list[dict[str, float]] | None = None
-    text_offset: list[int] | None = None
-
-
-class _ChoiceBase(_Response):
-    """In a stream chunk `token_ids` are the piece's NEW tokens and the final piece's `weight_versions`
-    span the whole choice."""
-
-    index: int = 0
-    finish_reason: str | None = None
-    token_ids: list[int] | None = Field(default=None, description="Extension: the sampled token ids.")
-    weight_versions: list[VersionSpan] | None = Field(
-        default=None, description="Extension: tokens [start, end) came from weight version `version`."
-    )
-
-
-class _WholeChoice(_ChoiceBase):
-    @model_validator(mode="after")
-    def _spans_tile_the_tokens(self):
-        # Contiguous, non-empty, from 0 to len(token_ids). Versions need not increase: a trainer that
-        # restores a checkpoint (WeightUpdateRequest.restore) may lower the version mid-request.
-        spans, ids = self.weight_versions, self.token_ids
-        if spans is None or not ids:
-            return self
-        edges = [0, *(e for s in spans for e in (s.start, s.end)), len(ids)]
-        if edges[0::2] != edges[1::2] or any(s.start >= s.end for s in spans):
-            raise ValueError(f"weight_versions {[s.model_dump() for s in spans]} do not tile [0, {len(ids)})")
-        return self
-
-
-class ChatChoice(_WholeChoice):
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-
-    @model_validator(mode="after")
-    def _one_logprob_per_token(self):
-        content = self.logprobs.content if self.logprobs else None
-        if content is not None and self.token_ids is not None and len(content) != len(self.token_ids):
-            raise ValueError(f"{len(content)} logprobs for {len(self.token_ids)} token_ids")
-        return self
-
-
-class CompletionChoice(_WholeChoice):
-    text: str
-    logprobs: CompletionLogprobs | None = None
-
-
-class ChatChunkChoice(_ChoiceBase):
-    delta: AssistantMessage = Field(default_factory=lambda: AssistantMessage(role=None))
-    logprobs: ChatLogprobs | None = None
-
-
-class CompletionChunkChoice(_ChoiceBase):
-    text: str = ""
-    logprobs: CompletionLogprobs | None = None
-    token_logprobs: list[float] | None = Field(default=None, description="Extension: logprobs of token_ids.")
-
-
-class _Generated(_Response):
-    # Subclasses narrow `object` and `choices`; declared here so the JSON keeps OpenAI's key order.
-    id: str
-    object: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list
-    prompt_token_ids: list[int] | None = Field(
-        default=None, description="Extension: the prompt's token ids (in a stream: on each role chunk)."
-    )
-    usage: Usage | None = None
-
-
-class ChatCompletionResponse(_Generated):
-    object: str = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class ChatCompletionChunk(_Generated):
-    object: str = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-
-
-class CompletionResponse(_Generated):
-    object: str = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class CompletionChunk(_Generated):
-    object: str = "text_completion"
-    choices: list[CompletionChunkChoice]
-
-
-class StreamError(_Response):
-    """Sent in-band as `data: {"error": {...}}` when a stream fails after its 200 status line."""
-
-    message: str
-    type: str

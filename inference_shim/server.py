@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference_shim.backends.base import Backend, ContractError, SamplingRequest
+from inference_shim.backends.base import Backend
+from inference_shim.backends.common import ContractError, SamplingRequest
 from inference_shim.limits import AdmissionGate, GuardMiddleware, Limits, check_generation
 from inference_shim.metrics import RouteMetricsMiddleware, ShimMetrics
 from inference_shim.openai_format import (
@@ -37,13 +38,8 @@ from inference_shim.openai_format import (
     new_id,
     sse_error,
 )
-from inference_shim.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    InitProcessGroupRequest,
-    WeightUpdateRequest,
-)
+from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
+from inference_shim.protocol import ErrorResponse, InitProcessGroupRequest, WeightUpdateRequest
 
 log = logging.getLogger("inference_shim")
 

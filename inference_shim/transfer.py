@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from inference_shim import fanout as fanout_mod
 from inference_shim.protocol import Bucket, TensorMeta, plan_buckets
 
 # Key prefix of the process group's own rendezvous keys inside the shared store, so they never collide
@@ -117,6 +118,28 @@ def broadcast_bucket(group: WeightGroup, buffer: torch.Tensor, what: str) -> Non
     wait_work(group, start_broadcast(group, buffer), what)
 
 
+class BucketSend:
+    """The sender's bucket i in flight, by either fan-out; wait() blocks until it left the trainer."""
+
+    def __init__(self, group: WeightGroup, packed: torch.Tensor, fanout: str, chunk_bytes: int, slot: int):
+        self.group = group
+        if fanout == "chain":
+            order = list(range(group.world_size))
+            self._chain = fanout_mod.start_send(
+                group.pg, packed, order=order, chunk_bytes=chunk_bytes, slot=slot
+            )
+            self._work = None
+        else:
+            self._chain = None
+            self._work = start_broadcast(group, packed)
+
+    def wait(self, what: str) -> None:
+        if self._chain is not None:
+            self._chain.wait(self.group.timeout_s)
+        else:
+            wait_work(self.group, self._work, what)
+
+
 def pack_bucket(
     bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -162,9 +185,19 @@ def unpack_bucket(
 
 
 def receive_buckets(
-    group: WeightGroup, metas: list[TensorMeta], bucket_bytes: int, buffers: list[torch.Tensor] | None = None
+    group: WeightGroup,
+    metas: list[TensorMeta],
+    bucket_bytes: int,
+    buffers: list[torch.Tensor] | None = None,
+    *,
+    fanout: str = "broadcast",
+    chunk_bytes: int = fanout_mod.DEFAULT_CHUNK_BYTES,
 ) -> tuple[list[tuple[str, torch.Tensor]], int]:
     """Receiver side of one update: every bucket into its own staging buffer. Returns (named views, bytes).
+
+    `fanout` is the update's (WeightUpdateRequest.fanout): "broadcast" (one collective per bucket) or
+    "chain" (inference_shim/fanout.py: ranks relay chunks in rank order, so the trainer's link carries
+    one copy whatever the number of servers). Bucket i uses relay slot i % 2, as the sender does.
 
     `buffers`, when given, is a cache kept by the caller between updates: bucket i is received into
     buffers[i] when it is large enough (grown or added otherwise). Fresh pages cost a first touch on
@@ -182,7 +215,19 @@ def receive_buckets(
             elif buffers[i].numel() < bucket.nbytes or buffers[i].device != group.device:
                 buffers[i] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
             buffer = buffers[i][: bucket.nbytes]
-        broadcast_bucket(group, buffer, f"receiving bucket {i} ({bucket.nbytes} bytes)")
+        if fanout == "chain":
+            order = list(range(group.world_size))
+            fanout_mod.relay(
+                group.pg,
+                buffer,
+                rank=group.rank,
+                order=order,
+                timeout_s=group.timeout_s,
+                chunk_bytes=chunk_bytes,
+                slot=i % 2,
+            )
+        else:
+            broadcast_bucket(group, buffer, f"receiving bucket {i} ({bucket.nbytes} bytes)")
         staged.extend(unpack_bucket(bucket, metas, buffer))
         total += bucket.nbytes
     return staged, total

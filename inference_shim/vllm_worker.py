@@ -30,6 +30,7 @@ import traceback
 import torch
 
 from inference_shim.backends.join import JoinError, join_weight_group, store_timeout
+from inference_shim.fanout import DEFAULT_CHUNK_BYTES
 from inference_shim.protocol import (
     TensorMeta,
     UnauthenticatedValue,
@@ -100,7 +101,14 @@ class WeightReceiverExtension:
         return rank
 
     def pr_arm_receive(
-        self, version: int, update_id: str, tensors_json: str, bucket_bytes: int, timeout_s: float
+        self,
+        version: int,
+        update_id: str,
+        tensors_json: str,
+        bucket_bytes: int,
+        timeout_s: float,
+        fanout: str = "broadcast",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> int:
         group = self._pr_group
         if group is None:
@@ -111,7 +119,7 @@ class WeightReceiverExtension:
         self._pr_staged = None
         self._pr_thread = threading.Thread(
             target=self._pr_receive,
-            args=(group, version, update_id, metas, bucket_bytes, timeout_s),
+            args=(group, version, update_id, metas, bucket_bytes, timeout_s, fanout, chunk_bytes),
             name=f"weights-v{version}",
             daemon=True,
         )
@@ -126,10 +134,21 @@ class WeightReceiverExtension:
         metas: list[TensorMeta],
         bucket_bytes: int,
         timeout_s: float,
+        fanout: str,
+        chunk_bytes: int,
     ) -> None:
         token = self._pr_token
         receipt, staged = receive_update(
-            group, version, update_id, metas, bucket_bytes, timeout_s, self._pr_buffers, token=token
+            group,
+            version,
+            update_id,
+            metas,
+            bucket_bytes,
+            timeout_s,
+            self._pr_buffers,
+            token=token,
+            fanout=fanout,
+            chunk_bytes=chunk_bytes,
         )
         if staged is not None:
             self._pr_staged = {"version": version, "tensors": staged}
@@ -173,6 +192,8 @@ def receive_update(
     buffers: list[torch.Tensor] | None = None,
     *,
     token: str | None = None,
+    fanout: str = "broadcast",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[WorkerReceipt, list[tuple[str, torch.Tensor]] | None]:
     """One receiver's part of an update: wait for the trainer's decision, on "go" receive every bucket.
 
@@ -194,7 +215,9 @@ def receive_update(
             receipt.error = f"trainer decided {decision!r} for version {version}"
             return receipt, None
         start = time.perf_counter()
-        staged, nbytes = receive_buckets(group, metas, bucket_bytes, buffers)
+        staged, nbytes = receive_buckets(
+            group, metas, bucket_bytes, buffers, fanout=fanout, chunk_bytes=chunk_bytes
+        )
         receipt.ok, receipt.bytes = True, nbytes
         receipt.receive_seconds = time.perf_counter() - start
         return receipt, staged

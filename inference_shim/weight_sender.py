@@ -37,8 +37,6 @@ import torch
 from inference_shim.client import ShimClient, ShimError
 from inference_shim.protocol import (
     DEFAULT_BUCKET_BYTES,
-    Bucket,
-    BucketSlot,
     InitProcessGroupRequest,
     TensorMeta,
     UnauthenticatedValue,
@@ -51,27 +49,25 @@ from inference_shim.protocol import (
     verify_value,
 )
 from inference_shim.transfer import (
+    BucketSend,
     WeightGroup,
     connect_store,
     join_group,
     pack_bucket,
     single_thread,
-    start_broadcast,
     tensor_meta,
-    wait_work,
+)
+from inference_shim.wires import (
+    WeightPushError,
+    choose_fanout,
+    choose_wire,
+    join_c10d_group,
+    packed_bucket,
 )
 
 log = logging.getLogger("inference_shim.weight_sender")
 
 FetchFn = Callable[[list[int]], list[torch.Tensor]]
-
-
-class WeightPushError(RuntimeError):
-    """A push failed; `servers` names the servers at fault. The trainer must stop, not continue."""
-
-    def __init__(self, message: str, servers: list[str]) -> None:
-        super().__init__(message)
-        self.servers = servers
 
 
 @dataclass
@@ -100,6 +96,7 @@ class WeightSender:
         timeout_s: float = 120.0,
         master_address: str = "127.0.0.1",
         group_name: str = "weights",
+        fanout: str = "auto",
     ) -> None:
         if not server_urls:
             raise ValueError("WeightSender needs at least one server URL")
@@ -113,6 +110,10 @@ class WeightSender:
         self.group_name = group_name
         self.group: WeightGroup | None = None
         self.wire = "contract"  # or "c10d": see the module docstring
+        if fanout not in ("auto", "broadcast", "chain"):
+            raise ValueError(f"fanout {fanout!r}: use auto, broadcast or chain")
+        self.fanout_choice = fanout
+        self.fanout = "broadcast"  # what connect() chose: see choose_fanout
         self.target_dtype: str | None = None
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, len(server_urls)), thread_name_prefix="weight-sender"
@@ -126,8 +127,11 @@ class WeightSender:
         if len(dtypes) != 1:
             raise WeightPushError(f"servers disagree on the weight dtype: {sorted(dtypes)}", self.server_urls)
         self.target_dtype = dtypes.pop()
-        self.wire = _choose_wire(self.server_urls, [c.transports for c in caps], self.backend)
+        self.wire = choose_wire(self.server_urls, [c.transports for c in caps], self.backend)
         world_size = 1 + sum(c.workers for c in caps)
+        self.fanout = choose_fanout(
+            self.fanout_choice, self.server_urls, [c.fanouts for c in caps], self.wire, self.backend
+        )
         store = connect_store(
             self.master_address, 0, is_master=True, world_size=None, timeout_s=self.timeout_s
         )
@@ -151,7 +155,7 @@ class WeightSender:
             )
             for client, offset in zip(self.clients, offsets, strict=True)
         ]
-        join = join_group if self.wire == "contract" else _join_c10d_group
+        join = join_group if self.wire == "contract" else join_c10d_group
         try:
             self.group = join(
                 store,
@@ -277,6 +281,7 @@ class WeightSender:
             bucket_bytes=self.bucket_bytes,
             timeout_s=self.timeout_s,
             restore=restore,
+            fanout=self.fanout,
         )
         answers = list(self._pool.map(lambda c: _try(lambda: c.request_weight_update(request)), self.clients))
         refused = [
@@ -307,12 +312,14 @@ class WeightSender:
                     full[index] = tensor
                 with single_thread():  # the trainer computes nothing during a push; see pack_bucket
                     packed = pack_bucket(bucket, full, self._buffer(i, bucket.nbytes, group.device), dtype)
-                work = start_broadcast(group, packed)
+                # Bucket i uses relay slot i % 2, matching the alternating pack buffers: a buffer is
+                # repacked only after the send that used it was waited on.
+                send = BucketSend(group, packed, self.fanout, request.fanout_chunk_bytes, slot=i % 2)
                 if in_flight is not None:
-                    wait_work(group, in_flight[0], f"broadcasting bucket {in_flight[1]} of version {version}")
-                in_flight = (work, i)
+                    in_flight[0].wait(f"sending bucket {in_flight[1]} of version {version}")
+                in_flight = (send, i)
             if in_flight is not None:
-                wait_work(group, in_flight[0], f"broadcasting bucket {in_flight[1]} of version {version}")
+                in_flight[0].wait(f"sending bucket {in_flight[1]} of version {version}")
         except Exception as e:
             raise WeightPushError(f"broadcast of version {version} failed: {e}", self.server_urls) from e
         broadcast_seconds = time.perf_counter() - broadcast_start
@@ -376,60 +383,6 @@ class WeightSender:
                 [r.server_id for r in failed],
             )
         return results
-
-
-def _choose_wire(urls: list[str], transports: list[list[str]], backend: str) -> str:
-    """The wire format every server offers for `backend`: "contract" ("gloo"), else "c10d" ("gloo:c10d")."""
-    for wire, name in (("contract", backend), ("c10d", f"{backend}:c10d")):
-        if all(name in offered for offered in transports):
-            return wire
-    offers = "; ".join(f"{url}: {offered}" for url, offered in zip(urls, transports, strict=True))
-    raise WeightPushError(
-        f"no weight transport for backend {backend!r} that every server offers ({offers}); one group "
-        "cannot mix servers of different wire formats: push to them with separate WeightSenders",
-        urls,
-    )
-
-
-def packed_bucket(bucket: Bucket) -> Bucket:
-    """The same tensors as `bucket`, packed back to back without alignment gaps (the "c10d" wire format)."""
-    slots, offset = [], 0
-    for slot in bucket.slots:
-        slots.append(BucketSlot(index=slot.index, offset=offset, nbytes=slot.nbytes))
-        offset += slot.nbytes
-    return Bucket(nbytes=offset, slots=slots)
-
-
-def _join_c10d_group(
-    store: torch.distributed.Store,
-    *,
-    rank: int,
-    world_size: int,
-    backend: str,
-    group_name: str,
-    timeout_s: float,
-) -> WeightGroup:
-    """Rank 0 of a group built like torch's own groups, as SGLang's init_weights_update_group builds its side.
-
-    The rendezvous keys must match the engine's byte for byte, so this uses torch's group helper (the
-    same one SGLang calls) under the store prefix `group_name`. No probe collective: the engine runs
-    none, so a probe would wait forever. gloo connects every rank inside the helper (a barrier with a
-    deadline); nccl connects lazily on the first broadcast.
-    """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
-    timeout = dt.timedelta(seconds=timeout_s)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        PrefixStore(group_name, store),
-        group_name=group_name,
-        timeout=timeout,
-    )
-    _world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
-    return WeightGroup(store, pg, rank, world_size, backend, group_name, timeout_s)
 
 
 def _try(fn):

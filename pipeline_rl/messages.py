@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from inference_shim.protocol import VersionSpan
+from inference_shim.openai_protocol import VersionSpan
 
 
 class Sample(BaseModel):

@@ -38,10 +38,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, validate_update
 from inference_shim.backends.join import JoinPhase, join_failure_detail, join_phase, short, store_timeout
 from inference_shim.protocol import (
     Bucket,
@@ -53,7 +52,6 @@ from inference_shim.protocol import (
     InitProcessGroupResponse,
     UpdateResult,
     UpdateTimings,
-    VersionSpan,
     WeightUpdateAccepted,
     WeightUpdateRequest,
     plan_buckets,
@@ -65,45 +63,6 @@ if TYPE_CHECKING:
     from inference_shim.metrics import ShimMetrics
 
 log = logging.getLogger("inference_shim")
-
-
-class ContractError(Exception):
-    """An error the client caused or must act on; the app turns it into `status` + ErrorResponse."""
-
-    def __init__(self, status: int, error: str, detail: str | None = None) -> None:
-        super().__init__(error if detail is None else f"{error}: {detail}")
-        self.status = status
-        self.error = error
-        self.detail = detail
-
-
-@dataclass
-class SamplingRequest:
-    """Engine-neutral generation parameters, built from an OpenAI request by the app."""
-
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    n: int
-    seed: int | None
-    stop: list[str]
-    top_logprobs: int  # 0 = only the sampled token's logprob (always returned)
-    ignore_eos: bool = False
-
-
-@dataclass
-class ChoiceDelta:
-    """New tokens of one choice (streaming) or the whole choice (non-streaming)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    version_spans: list[VersionSpan] | None = None  # set on the final piece of a choice
-    token_strings: list[str] = field(default_factory=list)
 
 
 class Backend(abc.ABC):
@@ -275,6 +234,12 @@ class Backend(abc.ABC):
     async def request_weight_update(self, req: WeightUpdateRequest) -> WeightUpdateAccepted:
         async with self._update_lock:
             validate_update(req, self.table, self.version, self.pending, self.group is not None)
+            if req.fanout not in self.capabilities().fanouts:
+                raise ContractError(
+                    422,
+                    "unsupported_fanout",
+                    f"fanout {req.fanout!r} is not one of this server's {self.capabilities().fanouts}",
+                )
             self.pending = req.version
         try:
             await self._arm_receive(req)
@@ -436,65 +401,3 @@ async def _within(deadline: float, what: str, step: Any) -> Any:
         if left <= 0:
             raise StepTimeout(f"no time was left for {what} (the update's timeout_s was spent)") from e
         raise StepTimeout(f"{what} did not finish within {left:.1f} s (the update's timeout_s)") from e
-
-
-def served_name(model_dir: str, served_model_name: str | None) -> str:
-    """The model's name in /v1/models and /capabilities: the one given, else the directory's name."""
-    return served_model_name or Path(model_dir.rstrip("/")).name
-
-
-def prompt_room(prompt_ids: list[int], max_model_len: int) -> int:
-    """Tokens left for the completion; a prompt that alone fills the context is the client's error."""
-    room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise ContractError(
-            400, "prompt_too_long", f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}"
-        )
-    return room
-
-
-def validate_update(
-    req: WeightUpdateRequest,
-    table: dict[str, tuple[str, list[int]]],
-    current_version: int,
-    pending_version: int | None,
-    group_joined: bool,
-) -> None:
-    """All checks that must pass BEFORE any collective starts; raises ContractError (4xx) otherwise."""
-    if not group_joined:
-        raise ContractError(
-            409, "no_process_group", "call POST /init_process_group before requesting an update"
-        )
-    if pending_version is not None:
-        raise ContractError(
-            409, "update_in_progress", f"version {pending_version} is still being received or applied"
-        )
-    if req.version <= current_version and not req.restore:
-        raise ContractError(
-            409,
-            "stale_version",
-            f"version {req.version} is not newer than the served version {current_version}",
-        )
-    seen: set[str] = set()
-    problems: list[str] = []
-    for meta in req.tensors:
-        if meta.name in seen:
-            problems.append(f"{meta.name}: sent twice")
-        seen.add(meta.name)
-        expected = table.get(meta.name)
-        if expected is None:
-            problems.append(f"{meta.name}: unknown tensor name")
-            continue
-        dtype, shape = expected
-        if list(meta.shape) != list(shape):
-            problems.append(f"{meta.name}: shape {meta.shape} != expected {shape}")
-        if meta.dtype != dtype:
-            problems.append(f"{meta.name}: dtype {meta.dtype} != expected {dtype}")
-    missing = sorted(set(table) - seen)
-    if missing:
-        problems.append(
-            f"missing {len(missing)} tensor(s), e.g. {missing[:3]}: an update must carry every weight"
-        )
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise ContractError(422, "invalid_tensors", shown)

@@ -26,13 +26,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field
 
-from inference_shim.backends.base import (
-    Backend,
-    ChoiceDelta,
-    ContractError,
-    SamplingRequest,
-    served_name,
-)
+from inference_shim.backends.base import Backend
+from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, served_name
 from inference_shim.backends.join import join_weight_group
 from inference_shim.metrics import ShimMetrics
 from inference_shim.protocol import (
@@ -103,6 +98,7 @@ class CaptureBackend(Backend):
             dtypes=sorted({dtype for dtype, _ in self.table.values()}),
             per_token_versions=False,
             staged_receive=True,
+            fanouts=["broadcast", "chain"],
             max_model_len=0,
         )
 
@@ -143,7 +139,11 @@ class CaptureBackend(Backend):
         group = self._weight_group
         args = (group, req.version, req.update_id, req.tensors, req.bucket_bytes, req.timeout_s)
         self._staged = None
-        self._receiving = _in_daemon_thread(lambda: receive_update(*args, token=self.token))
+        self._receiving = _in_daemon_thread(
+            lambda: receive_update(
+                *args, token=self.token, fanout=req.fanout, chunk_bytes=req.fanout_chunk_bytes
+            )
+        )
 
     async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
         receipt: WorkerReceipt

@@ -33,17 +33,12 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from inference_shim.backends.base import (
-    Backend,
-    ChoiceDelta,
-    ContractError,
-    SamplingRequest,
-    prompt_room,
-    short,
-)
+from inference_shim.backends.base import Backend, short
+from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, prompt_room
 from inference_shim.backends.sglang_client import EngineError, SglangClient
 from inference_shim.backends.sglang_process import SglangOptions, SglangProcess
 from inference_shim.metrics import ShimMetrics
+from inference_shim.openai_protocol import VersionSpan
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     Bucket,
@@ -52,7 +47,6 @@ from inference_shim.protocol import (
     HealthResponse,
     InitProcessGroupRequest,
     UpdateResult,
-    VersionSpan,
     WeightUpdateRequest,
     decision_key,
     plan_buckets,

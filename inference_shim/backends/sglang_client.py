@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from inference_shim.backends.base import ContractError
+from inference_shim.backends.common import ContractError
 
 
 class EngineError(RuntimeError):

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from inference_shim.backends.base import served_name
+from inference_shim.backends.common import served_name
 from inference_shim.procs import free_port, start_child, stop_process_tree, wait_healthy
 
 log = logging.getLogger("inference_shim.sglang")

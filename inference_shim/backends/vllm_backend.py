@@ -25,8 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from inference_shim.backends.base import (
-    Backend,
+from inference_shim.backends.base import Backend
+from inference_shim.backends.common import (
     ChoiceDelta,
     ContractError,
     SamplingRequest,
@@ -34,6 +34,7 @@ from inference_shim.backends.base import (
     served_name,
 )
 from inference_shim.metrics import ShimMetrics
+from inference_shim.openai_protocol import VersionSpan
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     Capabilities,
@@ -41,7 +42,6 @@ from inference_shim.protocol import (
     HealthResponse,
     InitProcessGroupRequest,
     UpdateResult,
-    VersionSpan,
     WeightUpdateRequest,
     WorkerReceipt,
     received_key,
@@ -151,6 +151,7 @@ class VllmBackend(Backend):
             dtypes=sorted({dtype for dtype, _ in self.table.values()}),
             per_token_versions=True,
             staged_receive=True,
+            fanouts=["broadcast", "chain"],
             max_model_len=self.options.max_model_len,
         )
 
@@ -252,6 +253,7 @@ class VllmBackend(Backend):
             "pr_arm_receive",
             timeout=30,
             args=(req.version, req.update_id, tensors_json, req.bucket_bytes, req.timeout_s),
+            kwargs={"fanout": req.fanout, "chunk_bytes": req.fanout_chunk_bytes},
         )
 
     async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:

@@ -30,7 +30,7 @@ import httpx
 from pydantic import ValidationError
 
 from inference_shim.client import AsyncShimClient, ShimError
-from inference_shim.protocol import ChatCompletionResponse, VersionSpan
+from inference_shim.openai_protocol import ChatCompletionResponse, VersionSpan
 from pipeline_rl.actor.errors import ActorError, TrainerStalled
 from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
 from pipeline_rl.actor.router import POLL_S, Router, Server, retryable

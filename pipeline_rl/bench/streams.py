@@ -56,7 +56,7 @@ def servers_needed(ctx: BenchContext) -> list[tuple[ServerSpec, int]]:
 
 def rollout_group(samples: int, tokens: int, seed: int = 0):
     """A RolloutGroup shaped like the actor's: token ids, logprobs, version spans, text, reward."""
-    from inference_shim.protocol import VersionSpan
+    from inference_shim.openai_protocol import VersionSpan
     from pipeline_rl.messages import RolloutGroup, Sample
 
     rng = random.Random(seed)

@@ -336,7 +336,7 @@ class Launcher:
                 self.monitor.poll_streams()
             except Exception as e:  # the report must not hide the run's own result
                 print(f"(could not read the last stats: {e})", file=sys.stderr)
-            self.monitor.close()
+            self._close_streams()  # also our own Redis connections: the wait below counts the others
         if self.status_server is not None:
             self.status_server.shutdown()
         if self.redis is not None:

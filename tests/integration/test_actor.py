@@ -31,7 +31,7 @@ from _servers import SERVER_START_S, free_port, own_core, start_server, stop_pro
 from pydantic import ValidationError
 
 from inference_shim.client import AsyncShimClient, ShimClient
-from inference_shim.protocol import ChatCompletionResponse
+from inference_shim.openai_protocol import ChatCompletionResponse
 from pipeline_rl.actor import (
     ActorError,
     AllServersDown,

@@ -40,9 +40,11 @@ import pytest
 import torch
 from _servers import free_port, running_servers, serve_argv, start_child, stop_process_tree, wait_healthy
 
+from inference_shim.client import ShimClient
 from inference_shim.protocol import Bucket, BucketSlot, TensorMeta, plan_buckets
 from inference_shim.transfer import connect_store
-from inference_shim.weight_sender import WeightPushError, WeightSender, _choose_wire, packed_bucket
+from inference_shim.weight_sender import WeightPushError, WeightSender
+from inference_shim.wires import choose_wire, packed_bucket
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
 
 TOKEN = "test-token"
@@ -410,6 +412,37 @@ def test_successive_updates_in_one_group_are_each_served_exactly(deployment, mod
 
 
 @pytest.mark.slow
+def test_chain_fanout_relays_every_bucket_through_the_servers(deployment, models):
+    # fanout=chain: the trainer sends each bucket once, server 1's worker forwards every chunk to server
+    # 2's (inference_shim/fanout.py). Several small buckets, so both relay slots and the alternating
+    # pack buffers are exercised; both servers must serve the pushed weights exactly.
+    servers = deployment.urls
+    chain_ok = deployment.transport == "gloo" and all(
+        "chain" in ShimClient(u).capabilities().fanouts for u in servers
+    )
+    if not chain_ok:
+        with pytest.raises(ValueError, match="fanout=chain"):
+            WeightSender(servers, token=TOKEN, backend=deployment.transport, fanout="chain").connect()
+        return
+    sender = WeightSender(
+        servers, token=TOKEN, backend="gloo", timeout_s=60, fanout="chain", bucket_bytes=64 * 1024
+    )
+    sender.connect()
+    try:
+        assert sender.fanout == "chain"
+        version = _version(servers[0])
+        for name in ("other", "base"):
+            version += 1
+            report = sender.push_tensors(version, _named_params(models[name]))
+            assert report.num_buckets > 2 and all(r.ok for r in report.results)
+            for url in servers:
+                assert _version(url) == version
+                _assert_serves(deployment, url, models[name])
+    finally:
+        sender.close()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["stale_version", "unknown_name", "wrong_shape", "wrong_dtype"])
 def test_invalid_update_is_refused_before_any_data(deployment, models, fault):
     servers = deployment.urls
@@ -548,12 +581,12 @@ def test_malformed_requests_get_4xx_never_5xx(deployment, path, body):
 # ---------------------------------------------------------------------------------------------------
 def test_sender_picks_the_wire_format_every_server_offers():
     urls = ["http://a", "http://b"]
-    assert _choose_wire(urls, [["gloo", "nccl"], ["gloo"]], "gloo") == "contract"
-    assert _choose_wire(urls, [["nccl:c10d", "gloo:c10d"]] * 2, "gloo") == "c10d"
+    assert choose_wire(urls, [["gloo", "nccl"], ["gloo"]], "gloo") == "contract"
+    assert choose_wire(urls, [["nccl:c10d", "gloo:c10d"]] * 2, "gloo") == "c10d"
     with pytest.raises(WeightPushError, match="cannot mix"):
-        _choose_wire(urls, [["gloo", "nccl"], ["nccl:c10d", "gloo:c10d"]], "gloo")
+        choose_wire(urls, [["gloo", "nccl"], ["nccl:c10d", "gloo:c10d"]], "gloo")
     with pytest.raises(WeightPushError):
-        _choose_wire(urls, [["gloo"], ["gloo"]], "nccl")
+        choose_wire(urls, [["gloo"], ["gloo"]], "nccl")
 
 
 def test_packed_bucket_drops_alignment_gaps_and_keeps_order():
@@ -699,14 +732,14 @@ def test_standin_joins_the_trainers_c10d_group_and_pause_mode_decides_the_flush(
     from concurrent.futures import ThreadPoolExecutor
 
     from inference_shim.transfer import broadcast_bucket, pack_bucket
-    from inference_shim.weight_sender import _join_c10d_group
+    from inference_shim.wires import join_c10d_group
 
     store = connect_store("127.0.0.1", 0, is_master=True, world_size=None, timeout_s=30)
     join = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
             "group_name": "weights", "backend": "gloo"}  # fmt: skip
     pool = ThreadPoolExecutor(2)
     joined = pool.submit(_engine, standin, "/init_weights_update_group", join)
-    group = _join_c10d_group(store, rank=0, world_size=2, backend="gloo", group_name="weights", timeout_s=30)
+    group = join_c10d_group(store, rank=0, world_size=2, backend="gloo", group_name="weights", timeout_s=30)
     assert joined.result().status_code == 200, joined.result().text
 
     first_chunk = threading.Event()

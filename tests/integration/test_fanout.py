@@ -6,7 +6,7 @@ one copy's time over a shaped trainer link across simulated hosts.
 
 The in-process tests run every rank of a gloo group as a thread of this process (gloo releases the GIL
 while it waits), on loopback. The simulated-host tests start the relay's sender on host `a` and one
-receiver process per host (pipeline_rl/bench/multihost.py's agent and peers, the benchmark's own
+receiver process per host (pipeline_rl/bench/multihost_rig.py's agent and peers, the benchmark's own
 processes), each in its network namespace, and compare with a TCP stream over the same shaped link.
 """
 
@@ -131,7 +131,7 @@ def test_chain_across_hosts_is_byte_exact_and_costs_one_copy_over_the_shaped_tra
     A broadcast makes a's link carry several copies; the chain carries one, so it must take about as long
     as one TCP stream of the same bytes over that link (plus the pipeline fill, a few 1 MiB chunks).
     """
-    from pipeline_rl.bench.multihost import HostRig
+    from pipeline_rl.bench.multihost_rig import HostRig
 
     nbytes = 20_000_000  # ~0.8 s per copy at 200 Mbit/s: long against the fill and the noise
     with SimNet(["a", "r1", "r2", "r3"]) as net:

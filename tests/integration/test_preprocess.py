@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_shim.protocol import VersionSpan
+from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl.config import RunConfig
 from pipeline_rl.ledger import ledger_dir, ledger_summary, read_records
 from pipeline_rl.messages import (

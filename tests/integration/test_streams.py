@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from inference_shim.protocol import VersionSpan
+from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl.messages import (
     DeadLetter,
     RolloutGroup,

@@ -192,3 +192,5 @@ def test_one_job_over_three_hosts(tmp_path):
         assert launchers["c"].returncode == 0, tails()
         left = {ns: _namespace_pids(ns) for ns in net.names()}
         assert not any(left.values()), f"processes left in the namespaces: {left}\n{tails()}"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert not any(ns in listed for ns in net.names()), "namespaces left behind"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_shim.protocol import VersionSpan
+from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl.config import RunConfig
 from pipeline_rl.messages import RolloutGroup, Sample, TrainingPackage, TrainingSample
 from pipeline_rl.paths import CONF_DIR

@@ -27,7 +27,7 @@ from test_trainer import (
     stop_trainer,
 )
 
-from inference_shim.protocol import VersionSpan
+from inference_shim.openai_protocol import VersionSpan
 from inference_shim.weight_sender import WeightSender
 from pipeline_rl.messages import RolloutGroup, Sample, WeightVersionEvent
 from pipeline_rl.preprocess import Preprocessor

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from inference_shim.backends.base import ContractError, validate_update
+from inference_shim.backends.common import ContractError, validate_update
 from inference_shim.protocol import BUCKET_ALIGN_BYTES, TensorMeta, WeightUpdateRequest, plan_buckets
 from inference_shim.weight_sender import WeightPushError, WeightSender
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from inference_shim.backends.base import Backend, ChoiceDelta, SamplingRequest
+from inference_shim.backends.base import Backend
+from inference_shim.backends.common import ChoiceDelta, SamplingRequest
 from inference_shim.metrics import ShimMetrics
 from inference_shim.protocol import (
     Capabilities,

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from _fake_backend import VOCAB, FakeBackend
 
-from inference_shim.backends.base import ContractError
+from inference_shim.backends.common import ContractError
 from inference_shim.limits import AdmissionGate, Limits, Overloaded, check_generation
-from inference_shim.protocol import ChatCompletionRequest, CompletionRequest
+from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
 from inference_shim.server import ServeConfig, create_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

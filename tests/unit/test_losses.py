@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from inference_shim.protocol import VersionSpan
+from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl.messages import RolloutGroup, Sample
 from pipeline_rl.preprocess_ops import (
     PreprocessConfig,

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from inference_shim.protocol import VersionSpan
+from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl.messages import RolloutGroup, Sample, TrainingSample
 from pipeline_rl.preprocess_ops import (
     PreprocessConfig,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from _fake_backend import FakeBackend
 
-from inference_shim.backends.base import ContractError, SamplingRequest
+from inference_shim.backends.common import ContractError, SamplingRequest
 from inference_shim.protocol import GroupState, TensorMeta, WeightUpdateRequest
 from inference_shim.server import create_app
 

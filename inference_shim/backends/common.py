@@ -1,0 +1,116 @@
+"""Engine-neutral types of the backends and the checks every backend runs before touching its engine.
+
+ContractError (an error the client caused: the app answers its status with {"error", "detail"}),
+SamplingRequest / ChoiceDelta (what the app hands a backend and what a backend yields back), and the
+request checks shared by all backends: prompt room, served name, and validate_update (everything an
+update request must pass BEFORE any collective starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inference_shim.openai_protocol import VersionSpan
+from inference_shim.protocol import WeightUpdateRequest
+
+
+class ContractError(Exception):
+    """An error the client caused or must act on; the app turns it into `status` + ErrorResponse."""
+
+    def __init__(self, status: int, error: str, detail: str | None = None) -> None:
+        super().__init__(error if detail is None else f"{error}: {detail}")
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+@dataclass
+class SamplingRequest:
+    """Engine-neutral generation parameters, built from an OpenAI request by the app."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+    seed: int | None
+    stop: list[str]
+    top_logprobs: int  # 0 = only the sampled token's logprob (always returned)
+    ignore_eos: bool = False
+
+
+@dataclass
+class ChoiceDelta:
+    """New tokens of one choice (streaming) or the whole choice (non-streaming)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    version_spans: list[VersionSpan] | None = None  # set on the final piece of a choice
+    token_strings: list[str] = field(default_factory=list)
+
+
+def served_name(model_dir: str, served_model_name: str | None) -> str:
+    """The model's name in /v1/models and /capabilities: the one given, else the directory's name."""
+    return served_model_name or Path(model_dir.rstrip("/")).name
+
+
+def prompt_room(prompt_ids: list[int], max_model_len: int) -> int:
+    """Tokens left for the completion; a prompt that alone fills the context is the client's error."""
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise ContractError(
+            400, "prompt_too_long", f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len}"
+        )
+    return room
+
+
+def validate_update(
+    req: WeightUpdateRequest,
+    table: dict[str, tuple[str, list[int]]],
+    current_version: int,
+    pending_version: int | None,
+    group_joined: bool,
+) -> None:
+    """All checks that must pass BEFORE any collective starts; raises ContractError (4xx) otherwise."""
+    if not group_joined:
+        raise ContractError(
+            409, "no_process_group", "call POST /init_process_group before requesting an update"
+        )
+    if pending_version is not None:
+        raise ContractError(
+            409, "update_in_progress", f"version {pending_version} is still being received or applied"
+        )
+    if req.version <= current_version and not req.restore:
+        raise ContractError(
+            409,
+            "stale_version",
+            f"version {req.version} is not newer than the served version {current_version}",
+        )
+    seen: set[str] = set()
+    problems: list[str] = []
+    for meta in req.tensors:
+        if meta.name in seen:
+            problems.append(f"{meta.name}: sent twice")
+        seen.add(meta.name)
+        expected = table.get(meta.name)
+        if expected is None:
+            problems.append(f"{meta.name}: unknown tensor name")
+            continue
+        dtype, shape = expected
+        if list(meta.shape) != list(shape):
+            problems.append(f"{meta.name}: shape {meta.shape} != expected {shape}")
+        if meta.dtype != dtype:
+            problems.append(f"{meta.name}: dtype {meta.dtype} != expected {dtype}")
+    missing = sorted(set(table) - seen)
+    if missing:
+        problems.append(
+            f"missing {len(missing)} tensor(s), e.g. {missing[:3]}: an update must carry every weight"
+        )
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ContractError(422, "invalid_tensors", shown)
