@@ -58,7 +58,7 @@ class BenchContext:
     def trainer_threads(self) -> int:
         """torch threads of the process that plays the trainer.
 
-        Default: what pipeline_rl/launch/main.py gives the trainer (OMP_NUM_THREADS = its cores = half the machine's,
+        Default: what pipeline_rl/launch/plan.py gives the trainer (OMP_NUM_THREADS = its cores = half the machine's,
         at least one), so the benchmarks measure pushes as a launched run makes them.
         """
         return self.options.get("trainer_threads") or max(1, (os.cpu_count() or 2) // 2)
