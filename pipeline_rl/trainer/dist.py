@@ -12,6 +12,7 @@ separate, standalone one (inference_shim.weight_sender); the two never mix.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,20 +44,40 @@ class Comm:
         return dist.is_available() and dist.is_initialized()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank (small Python objects only)."""
+        """Every rank's `obj`, in rank order, on every rank (small JSON-able objects only).
+
+        JSON bytes in uint8 tensors rather than torch's pickle-based object collectives: a rank must
+        never unpickle what arrives over a socket (pickle runs code). Tuples arrive as lists.
+        """
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        payload = self._encode(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=self.device))
+        lengths = [int(n.item()) for n in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        padded[: payload.numel()] = payload
+        gathered = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(gathered, padded)
+        return [_decode(buffer[:n]) for buffer, n in zip(gathered, lengths, strict=True)]
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank."""
+        """Rank 0's `obj` (JSON-able) on every rank; see all_gather_object for why not pickle."""
         if not self.distributed:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        payload = self._encode(obj) if self.is_main else None
+        size = torch.tensor(
+            [0 if payload is None else payload.numel()], dtype=torch.int64, device=self.device
+        )
+        dist.broadcast(size, src=0)
+        if payload is None:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(payload, src=0)
+        return _decode(payload)
+
+    def _encode(self, obj: Any) -> torch.Tensor:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -101,3 +122,7 @@ def init_comm(timeout_s: float) -> Comm:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=dt.timedelta(seconds=timeout_s))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return Comm(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def _decode(buffer: torch.Tensor) -> Any:
+    return json.loads(bytes(buffer.cpu().numpy().tobytes()).decode())

@@ -264,11 +264,11 @@ def _resume_point(cfg: RunConfig, comm: Comm) -> tuple[Path | None, TrainerState
         return None, fresh
     # Rank 0 chooses (skipping corrupt checkpoints) and every rank resumes from that one: ranks that chose
     # on their own could disagree if a file changed between their looks.
-    ckpt = comm.broadcast_object(
-        comm.on_main(
-            lambda: checkpoint.latest_checkpoint(cfg.run_dir), "choosing the checkpoint to resume from"
-        )
+    chosen = comm.on_main(
+        lambda: checkpoint.latest_checkpoint(cfg.run_dir), "choosing the checkpoint to resume from"
     )
+    chosen = comm.broadcast_object(None if chosen is None else str(chosen))
+    ckpt = None if chosen is None else Path(chosen)
     if ckpt is None:
         if comm.is_main:
             log.warning("trainer.resume=true but no checkpoint in %s: starting from step 0", cfg.run_dir)
