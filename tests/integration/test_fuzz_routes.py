@@ -2,9 +2,10 @@
 
 Hypothesis draws random and boundary values, huge integers, wrong types and random paths; the
 properties: no answer is a 5xx, every error body is `{"error", "detail"}`, the server keeps serving, its
-weights and version are unchanged (`/debug/state`), and `/metrics` stays bounded however many distinct
-404 paths it saw. Control routes are fuzzed with and without the token. Addresses in join requests are
-confined to loopback with a closed port and a short deadline: the fuzzer never sends traffic elsewhere.
+weights and version are unchanged (`/debug/state`), and `/metrics` and the server's RSS stay bounded
+however many distinct 404 paths and oversized bodies it saw. Control routes are fuzzed with and without
+the token. Addresses in join requests are confined to loopback with a closed port and a short deadline:
+the fuzzer never sends traffic elsewhere.
 
     .venv/bin/python -m pytest -q tests/integration/test_fuzz_routes.py
 """
@@ -12,8 +13,12 @@ confined to loopback with a closed port and a short deadline: the fuzzer never s
 from __future__ import annotations
 
 import json
+import re
 import string
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -192,10 +197,22 @@ def test_fuzz_control_routes(server) -> None:
     assert _baseline(client) == before
 
 
+def _server_rss_mib(url: str) -> float:
+    """Resident memory of the HTTP server process listening on `url`'s port (found with ss, by pid)."""
+    port = urlsplit(url).port
+    listeners = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
+    pid = int(re.search(r"pid=(\d+)", listeners).group(1))
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+
+
 def test_fuzz_random_paths_keep_metrics_bounded(server) -> None:
-    _, client = server
+    url, client = server
     client.get("/metrics")
     size_before = len(client.get("/metrics").text)
+    for i in range(200):  # warm-up: the allocator's first growth is not a leak
+        client.get(f"/warm-up-{i}")
+    rss_before = _server_rss_mib(url)
 
     @FUZZ
     @given(path=PATHS, method=st.sampled_from(["GET", "POST", "DELETE", "PUT"]))
@@ -207,11 +224,14 @@ def test_fuzz_random_paths_keep_metrics_bounded(server) -> None:
         client.get(f"/no-such-route-{i}")
     size_after = len(client.get("/metrics").text)
     assert size_after < size_before + 20_000, f"/metrics grew from {size_before} to {size_after} bytes"
+    rss_after = _server_rss_mib(url)
+    assert rss_after < rss_before + 64, f"server RSS grew from {rss_before:.0f} to {rss_after:.0f} MiB"
 
 
 def test_huge_and_malformed_bodies(server) -> None:
-    _, client = server
+    url, client = server
     before = _baseline(client)
+    rss_before = _server_rss_mib(url)
     huge = b'{"messages": [{"role": "user", "content": "' + b"a" * (50 * 1024 * 1024) + b'"}]}'
     for path in ("/v1/chat/completions", "/v1/completions", "/request_weight_update"):
         response = client.post(path, content=huge, headers={"content-type": "application/json", **AUTH})
@@ -221,6 +241,9 @@ def test_huge_and_malformed_bodies(server) -> None:
             _check(client.post(path, content=raw, headers=AUTH), f"{raw!r} to {path}")
     assert client.get("/health").status_code == 200
     assert _baseline(client) == before
+    # 150 MB of bodies were sent: a server that buffered them would hold (or have grown by) that much.
+    rss_after = _server_rss_mib(url)
+    assert rss_after < rss_before + 64, f"server RSS grew from {rss_before:.0f} to {rss_after:.0f} MiB"
 
 
 def test_out_of_vocabulary_token_ids_are_422(server) -> None:
