@@ -20,8 +20,9 @@ Ordering contract of save() (collective, every rank calls it after the same step
      the outcome (Comm.on_main: a failure raises on all ranks)
   Only then may ranks commit their stream positions (trimming may drop what a checkpoint still needs
   otherwise). A crash or power loss at any point leaves every earlier published checkpoint intact.
-  Rank 0 fsyncs the files the other ranks wrote: the ranks share one machine (`--num_machines 1`), so
-  one page cache, and an fsync of any descriptor of an inode writes that inode's dirty pages.
+  Every other rank fsyncs the tree before the barrier of step 3, so the files it wrote are durable
+  also when it runs on another node over shared storage (where rank 0's fsync cannot flush another
+  client's cache); on one machine rank 0's pass alone would do (one page cache).
 
 Verified means: manifest.json parses, every file it lists exists with the recorded size (a truncated
 or missing file fails), trainer_state.json parses, and every rank's feed_rank<r>.json parses. It costs
@@ -246,6 +247,10 @@ def save(
     state.replica_checksums = comm.all_gather_object(strategy.replica_checksum())
     if comm.is_main:
         (tmp / STATE).write_text(json.dumps(asdict(state)))
+    else:
+        # Ranks on other nodes (shared storage): only the writer's own fsync flushes its client-side
+        # cache; rank 0's pass below cannot. On one machine this re-syncs clean pages: cheap.
+        _sync_tree(tmp)
     comm.barrier()
 
     def publish() -> None:
