@@ -13,6 +13,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+
 from inference_shim.procs import (  # noqa: F401 (re-exported)
     free_port,
     own_core,
@@ -61,3 +63,20 @@ def running_servers(
     finally:
         for _, proc, _ in started:
             stop_process_tree(proc)
+
+
+def greedy_chat(url: str, prompt: str = "2+3=", max_tokens: int = 8) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their logprobs of one chat answer: which weights a server serves."""
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "ignore_eos": True,
+    }
+    choice = (
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        .raise_for_status()
+        .json()["choices"][0]
+    )
+    return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _servers import running_servers
+from _servers import greedy_chat, running_servers
 
 from pipeline_rl.tiny_model import build_tiny_model
 
@@ -47,27 +47,11 @@ def _run_example(url: str, model: Path, *extra: str) -> subprocess.CompletedProc
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-def _greedy(url: str) -> tuple[list[int], list[float]]:
-    body = {
-        "messages": [{"role": "user", "content": "2+3="}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "logprobs": True,
-        "ignore_eos": True,
-    }
-    choice = (
-        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-        .raise_for_status()
-        .json()["choices"][0]
-    )
-    return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
-
-
 @pytest.mark.slow
 def test_minimal_trainer_pushes_refuses_and_restores(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     with running_servers(model, tmp_path, 1, token=TOKEN) as (url,):
-        start = _greedy(url)
+        start = greedy_chat(url)
 
         pushed = _run_example(url, model)
         assert pushed.returncode == 0, pushed.stdout + pushed.stderr
@@ -77,7 +61,7 @@ def test_minimal_trainer_pushes_refuses_and_restores(tmp_path):
         assert (state["weight_version"], state["updates_applied"], state["last_error"]) == (1, 1, None)
         assert state["group"] is None and state["pending_update"] is None  # the example left the group
         assert httpx.get(f"{url}/health").json()["weight_version"] == 1
-        assert _greedy(url) != start
+        assert greedy_chat(url) != start
 
         again = _run_example(url, model)  # version 1 is not newer than the served 1
         assert again.returncode != 0 and "409" in again.stderr and "stale_version" in again.stderr
@@ -87,5 +71,5 @@ def test_minimal_trainer_pushes_refuses_and_restores(tmp_path):
         assert restored.returncode == 0, restored.stdout + restored.stderr
         state = httpx.get(f"{url}/debug/state").json()
         assert (state["weight_version"], state["last_error"]) == (0, None)
-        tokens, logprobs = _greedy(url)  # byte-exact start-up weights: the bucket layout matched
+        tokens, logprobs = greedy_chat(url)  # byte-exact start-up weights: the bucket layout matched
         assert tokens == start[0] and logprobs == pytest.approx(start[1], abs=1e-5)

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _servers import running_servers
+from _servers import greedy_chat, running_servers
 from safetensors.torch import load_file
 
 from inference_shim.client import ShimClient
@@ -59,22 +59,6 @@ def _attack(port: int, key: str, mode: str, arg: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PIPELINE_RL_TOKEN"}
     cmd = [sys.executable, "-c", ATTACKER, str(port), key, mode, arg]
     subprocess.run(cmd, env=env, check=True, timeout=120, capture_output=True)
-
-
-def _greedy(url: str) -> tuple[list[int], list[float]]:
-    body = {
-        "messages": [{"role": "user", "content": "2+3="}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "logprobs": True,
-        "ignore_eos": True,
-    }
-    choice = (
-        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
-        .raise_for_status()
-        .json()["choices"][0]
-    )
-    return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
 
 
 def _weights(model: Path, version: int) -> list[tuple[str, torch.Tensor]]:
@@ -119,9 +103,9 @@ def test_forged_store_values_are_refused_and_signed_pushes_work(tmp_path):
             assert owner.debug_state().group.master_port == port
 
             # (b) A signed push works.
-            start = _greedy(url)
+            start = greedy_chat(url)
             sender.push_tensors(1, _weights(model, 1))
-            served_v1 = _greedy(url)
+            served_v1 = greedy_chat(url)
             assert not _same_output(served_v1, start)
             metas = sender.metas_of(_weights(model, 2))
 
@@ -166,7 +150,7 @@ def test_forged_store_values_are_refused_and_signed_pushes_work(tmp_path):
             assert [r.ok for r in report.results] == [True]
             state = owner.debug_state()
             assert (state.weight_version, state.last_error, state.updates_applied) == (2, None, 2)
-            assert not _same_output(_greedy(url), served_v1)
+            assert not _same_output(greedy_chat(url), served_v1)
         finally:
             sender.close()
             owner.close()
@@ -186,7 +170,7 @@ def _assert_unchanged(url: str, owner: ShimClient, served: tuple, error_part: st
     assert state.weight_version == 1 and state.updates_applied == 1 and state.pending_update is None
     assert error_part in (state.last_error or ""), state.last_error
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
-    assert _same_output(_greedy(url), served)
+    assert _same_output(greedy_chat(url), served)
 
 
 def _wait_signed(store, key: str, timeout_s: float = 60.0) -> None:
