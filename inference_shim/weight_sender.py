@@ -214,20 +214,7 @@ class WeightSender:
         the servers that could not leave.
         """
         deadline = time.monotonic() + self.timeout_s
-
-        def leave(client: ShimClient) -> None:
-            while True:
-                try:
-                    client.destroy_process_group()
-                    return
-                except ShimError as e:
-                    if e.error == "no_process_group":
-                        return
-                    if e.error != "update_in_progress" or time.monotonic() > deadline:
-                        raise
-                time.sleep(0.5)
-
-        answers = list(self._pool.map(lambda c: _try(lambda: leave(c)), self.clients))
+        answers = list(self._pool.map(lambda c: _try(lambda: leave_weight_group(c, deadline)), self.clients))
         failed = [f"{url}: {err}" for url, (_, err) in zip(self.server_urls, answers, strict=True) if err]
         if failed:
             raise WeightPushError(
@@ -383,6 +370,24 @@ class WeightSender:
                 [r.server_id for r in failed],
             )
         return results
+
+
+def leave_weight_group(client: ShimClient, deadline: float, poll_s: float = 0.5) -> bool:
+    """Ask a server to leave its weight group; False if it was in none.
+
+    A server still finishing an update of the old group answers 409 update_in_progress until that update
+    fails on its own deadline: retry until the monotonic `deadline`, then raise the ShimError.
+    """
+    while True:
+        try:
+            client.destroy_process_group()
+            return True
+        except ShimError as e:
+            if e.error == "no_process_group":
+                return False
+            if e.error != "update_in_progress" or time.monotonic() > deadline:
+                raise
+        time.sleep(poll_s)
 
 
 def _try(fn):

@@ -25,7 +25,7 @@ import time
 import torch
 
 from inference_shim.client import ShimClient, ShimError
-from inference_shim.weight_sender import PushReport, WeightPushError, WeightSender
+from inference_shim.weight_sender import PushReport, WeightPushError, WeightSender, leave_weight_group
 from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm, RankFailure
 from pipeline_rl.trainer.model import weight_metas
@@ -137,23 +137,13 @@ def _release_stale_group(url: str, token: str | None, timeout_s: float) -> None:
     fails on its own deadline; we retry until `timeout_s`.
     """
     client = ShimClient(url, token=token, timeout_s=30.0)
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            try:
-                if client.debug_state().group is None:
-                    return
-                log.warning("%s still holds a weight group from an earlier trainer: asking it to leave", url)
-                client.destroy_process_group()
-                return
-            except ShimError as e:
-                if e.error == "no_process_group":
-                    return
-                if e.error != "update_in_progress" or time.monotonic() > deadline:
-                    raise WeightPushError(f"{url} cannot leave its old weight group: {e}", [url]) from e
-                time.sleep(1.0)
-    except WeightPushError:
-        raise
+        if client.debug_state().group is None:
+            return
+        log.warning("%s still holds a weight group from an earlier trainer: asking it to leave", url)
+        leave_weight_group(client, time.monotonic() + timeout_s, poll_s=1.0)
+    except ShimError as e:
+        raise WeightPushError(f"{url} cannot leave its old weight group: {e}", [url]) from e
     except Exception as e:
         raise WeightPushError(
             f"{url} is unreachable ({type(e).__name__}: {e}); is the server up?", [url]

@@ -80,3 +80,20 @@ def greedy_chat(url: str, prompt: str = "2+3=", max_tokens: int = 8) -> tuple[li
         .json()["choices"][0]
     )
     return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+
+
+def transformers_greedy(
+    model_dir, prompt_ids: list[int], token_ids: list[int]
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the logprobs of `token_ids` after `prompt_ids`, float32 transformers forward pass:
+    the reference a server's served logprobs are compared with (fp32, <= 1e-3)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    first = len(prompt_ids) - 1
+    greedy = [int(logits[first + j].argmax()) for j in range(len(token_ids))]
+    return greedy, [float(logp[first + j, t]) for j, t in enumerate(token_ids)]

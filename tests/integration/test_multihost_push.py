@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from _servers import transformers_greedy
 
 from inference_shim.procs import log_tail, own_core, wait_healthy
 from pipeline_rl.simhosts import SimHost, SimNet, available
@@ -119,16 +119,7 @@ def deployment(tmp_path_factory):
 
 
 def _reference(model_dir: Path, token_ids: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy tokens and logprobs of `token_ids` after PROMPT_IDS under a float32 transformers forward pass."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT_IDS + token_ids])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    first = len(PROMPT_IDS) - 1
-    greedy = [int(logits[first + j].argmax()) for j in range(len(token_ids))]
-    return greedy, [float(logp[first + j, t]) for j, t in enumerate(token_ids)]
+    return transformers_greedy(model_dir, PROMPT_IDS, token_ids)
 
 
 def _state(d: Deployment, url: str) -> dict:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import yaml
+from _servers import transformers_greedy
 
 from inference_shim.procs import log_tail, stop_process_tree
 from pipeline_rl.simhosts import SimNet, available
@@ -78,16 +78,7 @@ def _cluster_file(path: Path, net: SimNet, model: Path, run_dir: Path) -> Path:
 
 
 def _reference(model_dir: Path, token_ids: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy tokens and logprobs of `token_ids` after PROMPT_IDS, float32 transformers forward pass."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT_IDS + token_ids])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    first = len(PROMPT_IDS) - 1
-    greedy = [int(logits[first + j].argmax()) for j in range(len(token_ids))]
-    return greedy, [float(logp[first + j, t]) for j, t in enumerate(token_ids)]
+    return transformers_greedy(model_dir, PROMPT_IDS, token_ids)
 
 
 def _namespace_pids(netns: str) -> list[str]:
