@@ -73,7 +73,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default="float32", help="weights dtype in the engine: float32 (CPU), bfloat16 (GPU)"
     )
-    p.add_argument("--max-model-len", type=int, default=512, help="longest prompt + completion, in tokens")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion, in tokens (default: the model's max_position_embeddings)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded at once")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per server (1 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
@@ -129,11 +134,17 @@ def engine_options(args: argparse.Namespace) -> dict:
         }
     if args.capture_dir is not None:
         raise SystemExit("--capture-dir needs --backend capture")
+    from inference_shim.backends.common import resolve_max_model_len  # light: no engine
+
+    try:  # before any engine starts: a length the model cannot take fails here, in one line
+        max_model_len = resolve_max_model_len(args.model, args.max_model_len)
+    except ValueError as e:
+        raise SystemExit(f"pipeline-rl serve: {e}") from None
     return {
         "model": args.model,
         "served_model_name": args.served_model_name,
         "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
+        "max_model_len": max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "tensor_parallel_size": args.tensor_parallel_size,
         "seed": args.seed,

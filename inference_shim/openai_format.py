@@ -58,12 +58,26 @@ def sse_error(err: BaseException) -> str:
 
 
 def _usage(prompt_ids: list[int], choices: list[ChoiceDelta]) -> Usage:
-    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return _counts(len(prompt_ids), sum(len(c.token_ids) for c in choices))
+
+
+def _counts(prompt_tokens: int, completion_tokens: int) -> Usage:
+    # The prompt counts once, whatever `n` is (as OpenAI counts it).
     return Usage(
-        prompt_tokens=len(prompt_ids),
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        total_tokens=len(prompt_ids) + completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
     )
+
+
+def usage_chunk(
+    chat: bool, response_id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int
+) -> str:
+    """The last chunk of a stream asked with `stream_options.include_usage`: no choices, the whole
+    response's token counts (sent after every choice finished, before [DONE])."""
+    cls = ChatCompletionChunk if chat else CompletionChunk
+    usage = _counts(prompt_tokens, completion_tokens)
+    return sse(cls(id=response_id, created=created, model=model, choices=[], usage=usage))
 
 
 def _top(token_text: TokenText, token_id: int, logprob: float) -> TopLogprob:

@@ -22,10 +22,52 @@ class VersionSpan(BaseModel):
     end: int
 
 
+class ContentPart(BaseModel):
+    """One part of a message's `content` list. Only `text` parts can be served; the app answers any other
+    type (image_url, input_audio, file, refusal, ...) with 400 unsupported_content, not a 422."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError("a content part of type 'text' needs a `text` string")
+        return self
+
+
 class ChatMessage(BaseModel):
+    """A chat message as OpenAI clients send it. `content` may be a string, a list of parts, or null
+    (an assistant message that carries `tool_calls`); `tool_call_id`, `tool_calls`, `name` and any other
+    fields are passed on to the model's chat template as they came."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
+
+    def unsupported_part(self) -> str | None:
+        """The type of the first content part that is not text, or None."""
+        parts = self.content if isinstance(self.content, list) else []
+        return next((p.type for p in parts if p.type != "text"), None)
+
+    def template_dict(self) -> dict:
+        """What the chat template sees: text parts joined in order into one string, `content` always a
+        string (null, as an assistant message with `tool_calls` sends it, becomes "": a simple template
+        would otherwise print the word None), other fields only when the client sent them."""
+        message = self.model_dump(exclude_unset=True)
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content)
+        message["content"] = content
+        return message
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -41,6 +83,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
 

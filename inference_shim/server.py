@@ -37,6 +37,7 @@ from inference_shim.openai_format import (
     completion_response,
     new_id,
     sse_error,
+    usage_chunk,
 )
 from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
 from inference_shim.protocol import ErrorResponse, InitProcessGroupRequest, WeightUpdateRequest
@@ -231,7 +232,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
         admit(req)
-        messages = [m.model_dump() for m in req.messages]
+        messages = _template_messages(req)
         prompt_ids = await off_loop(_render_chat, backend, messages, req.add_generation_prompt)
         params = sampling(req, req.top_logprobs or 0, req.max_completion_tokens or req.max_tokens)
         want_logprobs = req.logprobs
@@ -247,12 +248,16 @@ def create_app(
             rid, created, name = new_id("chatcmpl"), int(time.time()), model_name()
             for index in range(req.n):
                 yield chat_role_chunk(rid, name, created, index, prompt_ids)
+            generated = 0
             try:
                 batch = first
                 while batch is not None:
                     for delta in batch:
+                        generated += len(delta.token_ids)
                         yield chat_chunk(rid, name, created, delta, want_logprobs, token_text)
                     batch = await anext(generator, None)
+                if wants_usage(req):
+                    yield usage_chunk(True, rid, name, created, len(prompt_ids), generated)
             except Exception as e:  # the status line is already sent: report in-band
                 log.exception("stream failed")
                 yield sse_error(e)
@@ -282,12 +287,16 @@ def create_app(
 
         async def events():
             rid, created, name = new_id("cmpl"), int(time.time()), model_name()
+            generated = 0
             try:
                 batch = first
                 while batch is not None:
                     for delta in batch:
+                        generated += len(delta.token_ids)
                         yield completion_chunk(rid, name, created, delta)
                     batch = await anext(generator, None)
+                if wants_usage(req):
+                    yield usage_chunk(False, rid, name, created, len(prompt_ids), generated)
             except Exception as e:
                 log.exception("stream failed")
                 yield sse_error(e)
@@ -301,6 +310,25 @@ def create_app(
 def _json(response: BaseModel) -> Response:
     # Serialized by pydantic directly: FastAPI's generic encoder is slower and refuses a -inf logprob.
     return Response(content=response.model_dump_json(), media_type="application/json")
+
+
+def wants_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """A stream ends with a usage chunk (no choices) when the client asked for one, as OpenAI's does."""
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _template_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as the chat template gets them; a content part we cannot serve is a 400 that names
+    its type (this server renders text only)."""
+    for i, message in enumerate(req.messages):
+        part = message.unsupported_part()
+        if part is not None:
+            raise ContractError(
+                400,
+                "unsupported_content",
+                f"messages[{i}] has a content part of type {part!r}; this server accepts text parts only",
+            )
+    return [m.template_dict() for m in req.messages]
 
 
 def _render_chat(backend: Backend, messages: list[dict], add_generation_prompt: bool) -> list[int]:

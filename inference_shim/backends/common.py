@@ -2,12 +2,14 @@
 
 ContractError (an error the client caused: the app answers its status with {"error", "detail"}),
 SamplingRequest / ChoiceDelta (what the app hands a backend and what a backend yields back), and the
-request checks shared by all backends: prompt room, served name, and validate_update (everything an
-update request must pass BEFORE any collective starts).
+request checks shared by all backends: prompt room, served name, the context length a model allows
+(resolve_max_model_len), and validate_update (everything an update request must pass BEFORE any
+collective starts).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +59,52 @@ class ChoiceDelta:
 def served_name(model_dir: str, served_model_name: str | None) -> str:
     """The model's name in /v1/models and /capabilities: the one given, else the directory's name."""
     return served_model_name or Path(model_dir.rstrip("/")).name
+
+
+# Where a Hugging Face config.json states the longest sequence (first found wins).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def model_positions(model_dir: str | Path) -> int | None:
+    """The longest sequence the model's config.json allows (its text part's, for a multimodal config);
+    None when the directory has no config.json or it names no such length."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    for section in (config, config.get("text_config") or {}):
+        for key in POSITION_KEYS:
+            if isinstance(section.get(key), int) and section[key] > 0:
+                return section[key]
+    return None
+
+
+def resolve_max_model_len(model_dir: str | Path, requested: int | None) -> int:
+    """`--max-model-len` checked against the model: None means the model's own length; a larger value
+    than the model's positions is refused here, before any engine starts. ValueError says what to do.
+
+    A config whose rotary positions are scaled (rope_scaling) may allow more: that is left to the engine."""
+    positions = model_positions(model_dir)
+    if requested is None:
+        if positions is None:
+            raise ValueError(
+                f"cannot read the model's length from {model_dir}/config.json: pass --max-model-len"
+            )
+        return positions
+    if positions is not None and requested > positions and not _rope_stretched(model_dir):
+        raise ValueError(
+            f"--max-model-len {requested} is larger than the model allows ({positions} positions, "
+            f"config.json of {model_dir}): pass --max-model-len {positions} or less, or leave it out"
+        )
+    return requested
+
+
+def _rope_stretched(model_dir: str | Path) -> bool:
+    """Whether config.json scales its rotary positions (rope_scaling / rope_parameters of a type other
+    than default), which lets an engine serve more than max_position_embeddings."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return rope.get("rope_type", rope.get("type", "default")) != "default"
 
 
 def prompt_room(prompt_ids: list[int], max_model_len: int) -> int:

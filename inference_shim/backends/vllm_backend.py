@@ -31,6 +31,7 @@ from inference_shim.backends.common import (
     ContractError,
     SamplingRequest,
     prompt_room,
+    resolve_max_model_len,
     served_name,
 )
 from inference_shim.metrics import ShimMetrics
@@ -61,7 +62,9 @@ class VllmOptions(BaseModel):
     dtype: str = Field(
         default="float32", description="Weights dtype in the engine: float32 (CPU tests), bfloat16 (GPU)."
     )
-    max_model_len: int = Field(default=512, ge=16, description="Longest prompt + completion, in tokens.")
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Longest prompt + completion, in tokens; default: the model's."
+    )
     max_num_seqs: int = Field(default=64, ge=1, description="Most sequences decoded at once.")
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per server (1 on CPU).")
     seed: int = Field(default=0, description="Engine seed.")
@@ -83,6 +86,7 @@ class VllmBackend(Backend):
         self.options = options
         self.engine = None
         self.workers = options.tensor_parallel_size
+        self.max_model_len = options.max_model_len or 0  # resolved from the model in start()
         self._request_ids: set[str] = set()  # in flight: what _abort_in_flight ends
 
     # ------------------------------------------------------------------ lifecycle
@@ -96,11 +100,13 @@ class VllmBackend(Backend):
 
         o = self.options
         self._engine_version = vllm.__version__
+        # Checked before the engine spawns anything: vLLM's own refusal comes late, deep in a traceback.
+        self.max_model_len = resolve_max_model_len(o.model, o.max_model_len)
         args = AsyncEngineArgs(
             model=o.model,
             served_model_name=[self.model_name],
             dtype=o.dtype,
-            max_model_len=o.max_model_len,
+            max_model_len=self.max_model_len,
             max_num_seqs=o.max_num_seqs,
             tensor_parallel_size=o.tensor_parallel_size,
             seed=o.seed,
@@ -117,6 +123,7 @@ class VllmBackend(Backend):
             name: (engine_dtype, shape) for name, (_, shape) in checkpoint_tensor_table(o.model).items()
         }
         self.workers = self.engine.vllm_config.parallel_config.world_size
+        self.max_model_len = self.engine.model_config.max_model_len  # what the engine settled on
         # The ids a prompt may hold: vLLM's own bound (the larger of the model's and the tokenizer's).
         self.vocab_size = max(self.engine.model_config.get_vocab_size(), len(self.tokenizer))
 
@@ -152,7 +159,7 @@ class VllmBackend(Backend):
             per_token_versions=True,
             staged_receive=True,
             fanouts=["broadcast", "chain"],
-            max_model_len=self.options.max_model_len,
+            max_model_len=self.max_model_len,
         )
 
     # ------------------------------------------------------------------ generation
@@ -164,7 +171,7 @@ class VllmBackend(Backend):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        room = prompt_room(prompt_ids, self.options.max_model_len)
+        room = prompt_room(prompt_ids, self.max_model_len)
         try:
             sampling = SamplingParams(
                 n=params.n,

