@@ -143,6 +143,40 @@ class PlacementConfig(_Section):
     )
 
 
+class RestartPolicy(_Section):
+    """How the launcher restarts one process of a restartable role after it dies."""
+
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts allowed per process over the run; the next death stops the run."
+    )
+    backoff_s: float = Field(
+        1.0, ge=0, description="Wait before the first restart; doubles with each restart."
+    )
+    max_backoff_s: float = Field(30.0, ge=0, description="Cap of the doubling wait between restarts.")
+
+
+class SupervisionConfig(_Section):
+    """What the launcher does when a process dies, and how long each stage of the shutdown may take.
+
+    Actors, preprocessors and the private Redis are restarted under their policy; a server or a trainer
+    rank that dies stops the run (they are not restartable yet).
+    """
+
+    actor: RestartPolicy = Field(default_factory=RestartPolicy, description="Restart policy of each actor.")
+    preprocessor: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="Restart policy of each preprocessor."
+    )
+    redis: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="Restart policy of the launcher's private Redis."
+    )
+    stop_grace_s: float = Field(
+        10.0, gt=0, description="Shutdown: SIGTERM-to-SIGKILL deadline of the actors, preprocessors, servers."
+    )
+    trainer_stop_s: float = Field(
+        180.0, gt=0, description="Shutdown: time the trainer gets to finish its step and checkpoint."
+    )
+
+
 class RunConfig(_Section):
     """Everything one run needs. Written to <run_dir>/config.json by the launcher."""
 
@@ -164,6 +198,7 @@ class RunConfig(_Section):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
     secrets_file: str | None = Field(
         None, description="Set by the launcher: the 0600 file holding the token and Redis password."
     )

@@ -65,6 +65,10 @@ class Child:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
     def start(self, base_env: dict[str, str]) -> None:
         env = {**base_env, **self.spec.env, **self.spec.secret_env, "PYTHONUNBUFFERED": "1"}
         # Appended: a resumed run keeps the earlier runs' output in the same log.
@@ -121,15 +125,24 @@ def write_command_file(spec: ProcessSpec, env: dict[str, str], path: Path, secre
 
 
 def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
-    """SIGTERM every live child, wait up to grace_s in total, then SIGKILL the rest (whole groups)."""
+    """SIGTERM every live child ONCE, wait up to grace_s in total, then SIGKILL every group.
+
+    One SIGTERM only: the trainer takes a second signal as "abort now" and would skip its final
+    checkpoint. The groups are SIGKILLed even when their leader exited: an engine's workers may outlive it.
+    """
     for child in children:
         if child.alive:
             child.signal(signal.SIGTERM)
-    # They stop in parallel: each gets what is left of the shared grace, then its group is SIGKILLed.
+    # They stop in parallel: each gets what is left of the shared grace.
     deadline = time.monotonic() + grace_s
     for child in children:
+        child.wait(max(0.0, deadline - time.monotonic()))
+    for child in children:
         if child.proc is not None:
-            procs.stop_process_tree(child.proc, grace_s=max(0.0, deadline - time.monotonic()))
+            if child.alive:
+                print(f"{child.name} still running {grace_s:.0f}s after SIGTERM: SIGKILL", flush=True)
+            child.signal(signal.SIGKILL)
+            child.wait(5.0)
 
 
 def wait_all_healthy(children: list[Child], deadline_s: float) -> None:

@@ -8,10 +8,23 @@ this node needs (Redis reachable, every server healthy) -> baseline evaluation (
 -> trainer ranks -> every server joined the weight group (nodes with a trainer or actors) ->
 preprocessors -> actors -> supervise -> final evaluation -> stop everything -> summary + plots.
 
+Supervision (pipeline_rl/launch/supervision.py, `supervision.*` in the config): an actor or a
+preprocessor that dies with a non-zero code (or a signal), and this node's private Redis, are restarted
+after a doubling wait until their per-process budget is spent; then the run stops naming the process,
+its role, its exit code and the tail of its log. A server or a trainer rank that dies, or an actor or
+preprocessor that exits 0 on its own, stops the run at once (they are not restartable yet). Restarts are
+counted in `GET /status` ("restarts": per role). The private Redis keeps an append-only file in
+<run_dir>/redis, so what it acknowledged survives its restart (a new launch starts it empty).
+
+Shutdown runs in stages, each a single SIGTERM then SIGKILL at its deadline: actors (no new samples),
+the trainer (supervision.trainer_stop_s to finish its step, push and write its final checkpoint while
+the servers are still up), preprocessors, servers, Redis.
+
 When a node is done: a node with trainer ranks when its ranks exit 0; a node without, once the trainer
 published its last version, except that servers keep serving until the launcher is stopped (SIGINT or
 SIGTERM), so the final evaluation (and anyone else) can still use them. If any child dies, the launcher
-names it, prints the tail of its log, stops the rest and exits non-zero. The node that runs Redis keeps
+names it, prints the tail of its log, stops the rest and exits non-zero
+(restartable processes: once their budget is spent). The node that runs Redis keeps
 it up at the end until the other nodes' processes have disconnected (at most REDIS_LINGER_S), so a
 trainer rank finishing its last step elsewhere still finds it.
 """
@@ -37,6 +50,7 @@ from pipeline_rl.launch.processes import (
     wait_all_healthy,
     write_command_file,
 )
+from pipeline_rl.launch.supervision import BudgetSpent, RedisUnit, Supervisor, describe_exit
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
 
@@ -64,6 +78,8 @@ class Launcher:
         self.evals: dict = {}
         self._eval_thread = None
         self.monitor_closed = False
+        self.supervisor = Supervisor(cfg.supervision)
+        self.env: dict[str, str] = {}  # the children's base environment, kept for their restarts
 
     def _on_signal(self, signum, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name
@@ -72,6 +88,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         started = time.time()
+        self.env = env
         try:
             specs = self._prepare(env, status_port)
             by_role = {role: [s for s in specs if s.role == role] for role in ("servers", "trainer")}
@@ -110,7 +127,10 @@ class Launcher:
             host, port = self.share.redis
             # Several hosts: address, port and password are the cluster's (in redis_url already).
             password = parse_url(cfg.streams.redis_url)["password"] if cfg.streams.redis_url else None
-            self.redis = RedisServer(data_dir=self.run_dir / "redis", host=host, port=port, password=password)
+            self.redis = RedisServer(
+                data_dir=self.run_dir / "redis", persist=True, host=host, port=port, password=password
+            )
+            self.redis.discard_persisted()  # a previous launch's streams are not this one's
             self.redis.start()
             if not cfg.streams.redis_url:
                 streams = cfg.streams.model_copy(update={"redis_url": self.redis.url})
@@ -133,8 +153,15 @@ class Launcher:
         if self.share.cluster and self.redis is None and cfg.streams.backend == "redis":
             self._wait_redis()  # the monitor reads the streams from the start
         self.monitor = RunMonitor(cfg, self.run_dir)
-        self.status_server = serve_status(status_port, lambda: self.monitor.status(self.children))
+        self.status_server = serve_status(status_port, self._status)
         return specs
+
+    def _status(self) -> dict:
+        return {
+            **self.monitor.status(self.children),
+            "restarts": self.supervisor.restarts_by_role(),
+            "restarts_per_process": dict(self.supervisor.restarts),
+        }
 
     def _wait_redis(self) -> None:
         import redis
@@ -220,9 +247,13 @@ class Launcher:
             self._eval_thread.start()
 
     def _poll_streams(self) -> None:
+        if self.redis is not None and not self.redis.running:
+            return  # our Redis is down (a restart is pending): reading would only retry until it is back
         try:
             self.monitor.poll_streams()
         except Exception as e:
+            if self.redis is not None and not self.redis.running:
+                return  # it died during the read; the supervision loop restarts it
             if not self.share.cluster:
                 raise
             # Another node's Redis may be gone at the end of a run: progress display only.
@@ -251,15 +282,13 @@ class Launcher:
             if self._interrupted():
                 print(f"\n{self.stop_requested}: stopping every process", flush=True)
                 return 0 if run_over else 130
-            for child in self.children:
-                code = child.poll()
-                if code is None:
-                    continue
-                if child is trainer and code == 0:
-                    self._poll_streams()
-                    print(f"trainer finished ({self.monitor.version} steps)", flush=True)
-                    return 0
-                return self._fail(child, f"exited with code {code}")
+            if trainer is not None and trainer.poll() == 0:
+                self._poll_streams()
+                print(f"trainer finished ({self.monitor.version} steps)", flush=True)
+                return 0
+            failed = self._check_processes()
+            if failed is not None:
+                return failed
             if deadline is not None and time.monotonic() > deadline and trainer is not None:
                 print(
                     f"max_wall_s={self.cfg.max_wall_s:.0f} reached: asking the trainer to checkpoint and stop",
@@ -290,11 +319,55 @@ class Launcher:
                 last_progress = time.monotonic()
             time.sleep(0.5)
 
+    def _check_processes(self) -> int | None:
+        """Schedule the restart of each restartable process that died and perform those that are due;
+        an exit code for the run when a process cannot be restarted (or its budget is spent)."""
+        units = [*self.children, *([RedisUnit(self.redis)] if self.redis is not None else [])]
+        for unit in units:
+            code = unit.poll()
+            if code is None or self.supervisor.pending(unit.name):
+                continue
+            if self.supervisor.policy(unit.role) is None or code == 0:
+                return self._fail(unit, f"exited with code {describe_exit(code)}")
+            try:
+                delay = self.supervisor.schedule(unit.name, unit.role, code)
+            except BudgetSpent as e:
+                return self._fail(unit, e.detail)
+            print(
+                f"{unit.name} exited with code {describe_exit(code)}: restarting it in {delay:.1f}s "
+                f"(restart {self.supervisor.restarts.get(unit.name, 0) + 1} of "
+                f"{self.supervisor.policy(unit.role).max_restarts})",
+                flush=True,
+            )
+        by_name = {unit.name: unit for unit in units}
+        for name in self.supervisor.due():
+            unit = by_name[name]
+            if isinstance(unit, RedisUnit):
+                if not self._restart_redis():
+                    return self._fail(unit, "could not be restarted")
+            else:
+                unit.start(self.env)
+                print(f"restarted {name} (pid {unit.proc.pid}), log: logs/{name}.log", flush=True)
+        return None
+
+    def _restart_redis(self) -> bool:
+        try:
+            RedisUnit(self.redis).restart()
+        except (RuntimeError, OSError) as e:
+            print(f"(redis restart failed: {e})", file=sys.stderr, flush=True)
+            return False
+        print(f"restarted redis on the same port ({self.redis.safe_url})", flush=True)
+        return True
+
     def _interrupted(self) -> bool:
         return self.stop_requested is not None
 
-    def _fail(self, child: Child, what: str) -> int:
-        print(f"\nERROR: {child.name} {what}. Last lines of logs/{child.name}.log:", file=sys.stderr)
+    def _fail(self, child: Child | RedisUnit, what: str) -> int:
+        try:
+            log = child.log_path.relative_to(self.run_dir)
+        except ValueError:
+            log = child.log_path
+        print(f"\nERROR: {child.name} {what}. Last lines of {log}:", file=sys.stderr)
         print(child.log_tail(), file=sys.stderr)
         print(
             f"(stopping every other process; full logs in {self.run_dir / 'logs'})",
@@ -329,8 +402,21 @@ class Launcher:
 
     def _shutdown(self, started: float) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        order = ["actors", "preprocessors", "trainer", "servers"]
-        stop_all(sorted(self.children, key=lambda c: order.index(c.spec.role)), grace_s=10.0)
+        if self.redis is not None and self.supervisor.pending("redis"):
+            # The run ended while Redis waited for its restart: the children's graceful stop and the
+            # last stats read need it, so the wait is cut short.
+            self.supervisor.take("redis")
+            self._restart_redis()
+        sup = self.cfg.supervision
+        # Actors first (nothing new to generate); the trainer while preprocessors and servers are still up
+        # (its last step and push need them, then it checkpoints); Redis last (everyone writes to it).
+        for role, grace_s in [
+            ("actors", sup.stop_grace_s),
+            ("trainer", sup.trainer_stop_s),
+            ("preprocessors", sup.stop_grace_s),
+            ("servers", sup.stop_grace_s),
+        ]:
+            stop_all([c for c in self.children if c.spec.role == role], grace_s=grace_s)
         if self.monitor is not None and not self.monitor_closed:
             try:
                 self.monitor.poll_streams()

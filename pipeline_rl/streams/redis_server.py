@@ -95,6 +95,12 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def returncode(self) -> int | None:
+        """The exit status of a server that died (negative: killed by that signal); None while it runs
+        or before it started."""
+        return None if self._proc is None else self._proc.poll()
+
+    @property
     def log_path(self) -> Path:
         return self._dir() / "redis.log"
 
@@ -122,6 +128,12 @@ class RedisServer:
             "appendonly": "yes" if self.persist else "no",
         }
         if self.persist:
+            # everysec, not always. The fault to survive is a kill of redis-server itself (the launcher
+            # restarts it), and for that fsync does not matter: Redis write()s the append-only buffer
+            # before it sends the replies of that event-loop turn, so an acknowledged write is already in
+            # the kernel (the one exception: while a background fsync stalls over 2 s on a saturated
+            # disk, everysec postpones the write). fsync adds only the host crash, which takes the whole
+            # run down anyway; `always` would pay an fsync per turn on the disk the checkpoints use.
             settings["appendfsync"] = "everysec"
         conf = self._dir() / "redis.conf"
         write_private(conf, "".join(f"{key} {value}\n" for key, value in settings.items()))
@@ -200,6 +212,15 @@ class RedisServer:
             return
         stop_process_tree(self._proc, grace_s=5)
         self._proc = None
+
+    def discard_persisted(self) -> None:
+        """Delete the append-only data a previous server left in data_dir (call before start()): a new
+        launch starts from empty streams, while a restart within the launch replays them."""
+        if self.running:
+            raise RuntimeError("discard_persisted() while the server runs")
+        if self._data_dir is not None:
+            shutil.rmtree(self._data_dir / "appendonlydir", ignore_errors=True)  # Redis 7
+            (self._data_dir / "appendonly.aof").unlink(missing_ok=True)  # Redis 6 and older
 
     def cleanup(self) -> None:
         """Stop and remove the temporary directory (kept across stop/start so the port's log stays)."""

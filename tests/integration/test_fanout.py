@@ -156,7 +156,7 @@ def test_chain_across_hosts_is_byte_exact_and_costs_one_copy_over_the_shaped_tra
 def test_a_cut_link_in_the_middle_of_the_chain_fails_the_ranks_behind_it_within_the_deadline(tmp_path: Path):
     """r2's cable is cut mid-relay: the round fails at the sender (its barrier after the sends, or a send,
     times out) within the processes' deadline instead of hanging."""
-    from pipeline_rl.bench import multihost
+    from pipeline_rl.bench import multihost_rig as multihost
 
     deadline_s = 10.0
     with SimNet(["a", "r1", "r2", "r3"]) as net:

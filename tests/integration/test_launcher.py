@@ -151,16 +151,18 @@ def test_end_to_end_run(tiny_model, tmp_path, mode):
 
 @pytest.mark.slow
 def test_killed_child_stops_the_run_and_is_named(tiny_model, tmp_path):
+    # No restart budget: a preprocessor is restartable (tests/integration/test_supervision.py).
     proc = _launch(
-        [f"model_path={tiny_model}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1000", *SMALL_RUN]
-    )
+        [f"model_path={tiny_model}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1000",
+         "supervision.preprocessor.max_restarts=0", *SMALL_RUN]
+    )  # fmt: skip
     output = _read_until(proc, r"started actor0 \(pid (\d+)\)", timeout_s=300)
     time.sleep(3)
     pid = int(re.search(r"started preprocessor0 \(pid (\d+)\)", output).group(1))
     os.killpg(pid, signal.SIGKILL)
     output = _finish(proc, output, timeout_s=120)
     assert proc.returncode != 0
-    assert "ERROR: preprocessor0 exited with code" in output
+    assert "ERROR: preprocessor0 (role preprocessors) exited with code -9 (SIGKILL)" in output
     assert not _sessions_alive(_started_pids(output)), "processes left behind"
 
 
