@@ -4,6 +4,11 @@ The shim starts `<engine_python> -m sglang.launch_server --model-path DIR --host
 ... --api-key <random>` in its own session (stopped with its whole tree, and dying with the shim:
 inference_shim/procs.py), waits for its /health, and is the only holder of the API key. SGLang pins
 its own torch, so it usually runs from another venv (`engine_python`). docs/sglang.md has the flags.
+
+The API key never appears on a command line (any local user can read /proc/*/cmdline): the child runs
+a short bootstrap (`python -c KEY_BOOTSTRAP <target> <flags>`) that takes the key from its environment,
+appends `--api-key KEY` to sys.argv in-process and runs the target as `python -m` / `python script`
+would. SGLang reads only sys.argv, so it sees the same flags.
 """
 
 from __future__ import annotations
@@ -27,6 +32,19 @@ log = logging.getLogger("inference_shim.sglang")
 # SGLang computes logprobs after temperature scaling unless told otherwise; the contract promises
 # logprobs under the raw distribution (temperature 1), which is what the trainer's ratios need.
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+API_KEY_ENV = "PIPELINE_RL_ENGINE_API_KEY"
+# argv[1:] = ["-m", module, flags...] or [script, flags...]; the key comes from the environment.
+KEY_BOOTSTRAP = (
+    "import os, runpy, sys\n"
+    f"key = os.environ.pop({API_KEY_ENV!r})\n"
+    "if sys.argv[1] == '-m':\n"
+    "    sys.argv = [sys.argv[2], *sys.argv[3:], '--api-key', key]\n"
+    "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+    "else:\n"
+    "    sys.argv = [sys.argv[1], *sys.argv[2:], '--api-key', key]\n"
+    "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 def _default_engine_python() -> str:
@@ -105,11 +123,12 @@ class SglangProcess:
 
     def argv(self, port: int) -> list[str]:
         o = self.options
-        argv = list(o.launch_command or [o.engine_python, "-m", "sglang.launch_server"])
+        python, *target = o.launch_command or [o.engine_python, "-m", "sglang.launch_server"]
+        argv = [python, "-c", KEY_BOOTSTRAP, *target]  # the API key arrives through the environment
         argv += ["--model-path", o.model, "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--served-model-name", o.model_name, "--dtype", o.dtype]
         argv += ["--context-length", str(o.max_model_len), "--tp-size", str(o.tensor_parallel_size)]
-        argv += ["--random-seed", str(o.seed), "--weight-version", "0", "--api-key", self.api_key]
+        argv += ["--random-seed", str(o.seed), "--weight-version", "0"]
         if o.max_num_seqs is not None:
             argv += ["--max-running-requests", str(o.max_num_seqs)]
         if o.mem_fraction_static is not None:
@@ -125,8 +144,8 @@ class SglangProcess:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         argv = self.argv(port)
-        log.info("starting SGLang: %s", " ".join(a if a != self.api_key else "***" for a in argv))
-        self.proc = start_child(argv, env=dict(os.environ, **ENGINE_ENV))
+        log.info("starting SGLang: %s", " ".join(argv[3:]))
+        self.proc = start_child(argv, env=dict(os.environ, **ENGINE_ENV, **{API_KEY_ENV: self.api_key}))
 
     async def wait_ready(self) -> None:
         """Until SGLang's /health answers 200; raises if it exits first or start_timeout_s passes."""

@@ -852,7 +852,9 @@ def test_sglang_backend_launch_command_and_legacy_engines_without_update_session
     )
     backend = SglangBackend(options, ShimMetrics())
     argv = backend.process.argv(1234)
-    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[argv.index("--port") + 1] == "1234"
+    assert argv[3:5] == ["-m", "sglang.launch_server"] and argv[argv.index("--port") + 1] == "1234"
+    # The engine's API key travels in its environment, never on a command line (/proc/*/cmdline).
+    assert backend.process.api_key not in " ".join(argv) and "--api-key" not in argv
     assert "--disable-radix-cache" in argv and argv[-2:] == ["--log-level", "warning"]
     assert backend.pause_mode == "in_place"
     with pytest.raises(ValueError, match="incremental"):
