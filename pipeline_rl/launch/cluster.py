@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import time
 from pathlib import Path
 
 import yaml
@@ -289,3 +290,30 @@ def node_share(spec: ClusterSpec, cfg: RunConfig, name: str) -> NodeShare:
         evaluates=rendezvous is not None and rendezvous.machine_rank == 0,
         cluster=True,
     )
+
+
+# The node that runs Redis keeps it up this long at the end for the other nodes' last calls.
+REDIS_LINGER_S = 60.0
+
+
+def wait_other_clients_off(redis_url: str, linger_s: float) -> None:
+    """Keep Redis up while processes of other nodes still use it (a trainer rank's last step)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2)
+    deadline = time.monotonic() + linger_s
+    try:
+        me = client.client_id()
+        others = [c for c in client.client_list() if int(c["id"]) != me]
+        if others:
+            print(f"waiting for {len(others)} Redis client(s) of other nodes to finish", flush=True)
+        while others and time.monotonic() < deadline:
+            time.sleep(0.5)
+            others = [c for c in client.client_list() if int(c["id"]) != me]
+        if others:
+            where = ", ".join(sorted({c.get("addr", "?").rsplit(":", 1)[0] for c in others}))
+            print(f"(stopping Redis with {len(others)} client(s) still connected from {where})", flush=True)
+    except redis.RedisError as e:
+        print(f"(could not list Redis clients: {e})", flush=True)
+    finally:
+        client.close()

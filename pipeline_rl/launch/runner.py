@@ -8,25 +8,19 @@ this node needs (Redis reachable, every server healthy) -> baseline evaluation (
 -> trainer ranks -> every server joined the weight group (nodes with a trainer or actors) ->
 preprocessors -> actors -> supervise -> final evaluation -> stop everything -> summary + plots.
 
-Supervision (pipeline_rl/launch/supervision.py, `supervision.*` in the config): an actor or a
-preprocessor that dies with a non-zero code (or a signal), and this node's private Redis, are restarted
-after a doubling wait until their per-process budget is spent; then the run stops naming the process,
-its role, its exit code and the tail of its log. A server or a trainer rank that dies, or an actor or
-preprocessor that exits 0 on its own, stops the run at once (they are not restartable yet). Restarts are
-counted in `GET /status` ("restarts": per role). The private Redis keeps an append-only file in
-<run_dir>/redis, so what it acknowledged survives its restart (a new launch starts it empty).
-
-Shutdown runs in stages, each a single SIGTERM then SIGKILL at its deadline: actors (no new samples),
-the trainer (supervision.trainer_stop_s to finish its step, push and write its final checkpoint while
-the servers are still up), preprocessors, servers, Redis.
+Supervision (pipeline_rl/launch/supervision.py): a dead actor or preprocessor (non-zero code or a
+signal) and this node's private Redis (append-only file in <run_dir>/redis: a restart keeps what it
+acknowledged) are restarted under `supervision.*` until their budget is spent; a dead server or trainer,
+or an actor or preprocessor exiting 0, stops the run. `GET /status` counts restarts per role. Shutdown
+stages, each one SIGTERM then SIGKILL at its deadline: actors, trainer (supervision.trainer_stop_s for
+its last step, push and final checkpoint while the servers are up), preprocessors, servers, Redis.
 
 When a node is done: a node with trainer ranks when its ranks exit 0; a node without, once the trainer
 published its last version, except that servers keep serving until the launcher is stopped (SIGINT or
-SIGTERM), so the final evaluation (and anyone else) can still use them. If any child dies, the launcher
-names it, prints the tail of its log, stops the rest and exits non-zero
-(restartable processes: once their budget is spent). The node that runs Redis keeps
-it up at the end until the other nodes' processes have disconnected (at most REDIS_LINGER_S), so a
-trainer rank finishing its last step elsewhere still finds it.
+SIGTERM), so the final evaluation (and anyone else) can still use them. If a child dies for good, the
+launcher names it, prints the tail of its log, stops the rest and exits non-zero. The node that runs
+Redis keeps it up at the end until the other nodes' processes have disconnected (at most
+REDIS_LINGER_S), so a trainer rank finishing its last step elsewhere still finds it.
 """
 
 from __future__ import annotations
@@ -41,6 +35,7 @@ import httpx
 
 from inference_shim.procs import wait_healthy
 from pipeline_rl.config import RunConfig, public_config, secret_fields
+from pipeline_rl.launch.cluster import REDIS_LINGER_S, wait_other_clients_off
 from pipeline_rl.launch.plan import NodeShare, plan, print_plan
 from pipeline_rl.launch.processes import (
     Child,
@@ -53,8 +48,6 @@ from pipeline_rl.launch.processes import (
 from pipeline_rl.launch.supervision import BudgetSpent, RedisUnit, Supervisor, describe_exit
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
-
-REDIS_LINGER_S = 60.0
 
 
 class PeerMissing(RuntimeError):
@@ -427,35 +420,11 @@ class Launcher:
             self.status_server.shutdown()
         if self.redis is not None:
             if self.share.cluster and not self._interrupted():  # a stop request means now
-                self._wait_other_nodes_off_redis()
+                wait_other_clients_off(self.cfg.streams.redis_url, REDIS_LINGER_S)
             self.redis.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if self.monitor is not None and "trainer" in self.roles:
             self._report(started)
-
-    def _wait_other_nodes_off_redis(self) -> None:
-        """Keep Redis up while processes of other nodes still use it (a trainer rank's last step)."""
-        import redis
-
-        client = redis.Redis.from_url(self.cfg.streams.redis_url, socket_timeout=2)
-        deadline = time.monotonic() + REDIS_LINGER_S
-        try:
-            me = client.client_id()
-            others = [c for c in client.client_list() if int(c["id"]) != me]
-            if others:
-                print(f"waiting for {len(others)} Redis client(s) of other nodes to finish", flush=True)
-            while others and time.monotonic() < deadline:
-                time.sleep(0.5)
-                others = [c for c in client.client_list() if int(c["id"]) != me]
-            if others:
-                where = ", ".join(sorted({c.get("addr", "?").rsplit(":", 1)[0] for c in others}))
-                print(
-                    f"(stopping Redis with {len(others)} client(s) still connected from {where})", flush=True
-                )
-        except redis.RedisError as e:
-            print(f"(could not list Redis clients: {e})", flush=True)
-        finally:
-            client.close()
 
     def _report(self, started: float) -> None:
         from pipeline_rl.launch.report import make_plots, summarize
