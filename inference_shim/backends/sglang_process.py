@@ -35,14 +35,15 @@ ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 API_KEY_ENV = "PIPELINE_RL_ENGINE_API_KEY"
 # argv[1:] = ["-m", module, flags...] or [script, flags...]; the key comes from the environment.
+# `--api-key=KEY` in one word: a random key may start with '-', which argparse would take for a flag.
 KEY_BOOTSTRAP = (
     "import os, runpy, sys\n"
     f"key = os.environ.pop({API_KEY_ENV!r})\n"
     "if sys.argv[1] == '-m':\n"
-    "    sys.argv = [sys.argv[2], *sys.argv[3:], '--api-key', key]\n"
+    "    sys.argv = [sys.argv[2], *sys.argv[3:], '--api-key=' + key]\n"
     "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
     "else:\n"
-    "    sys.argv = [sys.argv[1], *sys.argv[2:], '--api-key', key]\n"
+    "    sys.argv = [sys.argv[1], *sys.argv[2:], '--api-key=' + key]\n"
     "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
 
