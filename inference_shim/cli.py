@@ -93,6 +93,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="capture backend only: write each received update to DIR/weights.safetensors + history.jsonl",
     )
+    p.add_argument(
+        "--await-weights",
+        action="store_true",
+        help="answer 503 awaiting_weights on /health and generation until the first weight update "
+        "(a server started mid-run, or for a resumed run, must not serve the start-up weights)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn / logging level")
     add_limit_arguments(p)
 
@@ -175,6 +181,7 @@ def run(args: argparse.Namespace) -> None:
             api_key=args.api_key or None,
             limits=limits_of(args),
             log_level=args.log_level,
+            await_weights=args.await_weights,
         )
     except ValueError as e:  # pydantic's message says which flag to fix
         raise SystemExit(f"pipeline-rl serve: {e}") from None

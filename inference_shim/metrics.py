@@ -41,6 +41,12 @@ class ShimMetrics:
             registry=r,
         )
 
+        self.reprefilled_tokens = Counter(
+            "shim_reprefilled_tokens",
+            "Tokens of in-flight requests whose KV an update dropped (kv_after_update=recompute)",
+            registry=r,
+        )
+
     def record_update(self, result: UpdateResult) -> None:
         self.updates.labels(result="ok").inc()
         self.update_bytes.inc(result.total_bytes)

@@ -273,7 +273,7 @@ def plan_buckets(tensors: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
 # Health, capabilities, debug
 # ----------------------------------------------------------------------------------------------------
 class HealthResponse(BaseModel):
-    status: Literal["ok", "starting", "unhealthy"]
+    status: Literal["ok", "starting", "unhealthy", "awaiting_weights"]
     weight_version: int
     detail: str | None = None
 
@@ -347,6 +347,11 @@ class DebugState(BaseModel):
     in_flight_requests: int
     paused: bool
     updates_applied: int
+    updates_failed: int = 0
+    # Started with --await-weights and no update applied yet: generation answers 503 awaiting_weights.
+    awaiting_weights: bool = False
+    # Tokens whose KV an update dropped (kv_after_update=recompute) and the engine computes again.
+    reprefilled_tokens: int = 0
 
 
 class ErrorResponse(BaseModel):

@@ -57,6 +57,9 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(default=None, description="Bearer key required on /v1/ routes; None: open.")
     limits: Limits = Field(default_factory=Limits, description="Body size, admission and request limits.")
     log_level: str = Field(default="info", description="uvicorn / logging level.")
+    await_weights: bool = Field(
+        default=False, description="Answer 503 awaiting_weights on generation until the first update."
+    )
 
     @model_validator(mode="after")
     def _exposed_needs_token(self) -> ServeConfig:
@@ -155,7 +158,7 @@ def create_app(
     # ------------------------------------------------------------------ introspection
     @app.get("/health")
     async def health():
-        h = backend.health()
+        h = backend.health_now()
         return JSONResponse(status_code=200 if h.status == "ok" else 503, content=h.model_dump())
 
     @app.get("/capabilities")
@@ -385,5 +388,6 @@ def serve(cfg: ServeConfig, engine_options: dict) -> None:
         log.warning("binding %s: the routes are reachable from the network; firewall the port", cfg.host)
     metrics = ShimMetrics()
     backend = make_backend(cfg, engine_options, metrics)
+    backend.awaiting_weights = cfg.await_weights
     app = create_app(backend, metrics, cfg.token, cfg.limits, cfg.api_key)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)

@@ -7,6 +7,7 @@ shards through the `fetch` callback). Ordering contract:
     sender.connect()        # hosts the TCPStore, asks each server to join, joins as rank 0
     sender.push(version, metas, fetch)   # after EVERY optimizer step; version strictly increasing
     sender.reconnect()      # only after a failed push: every server leaves the broken group, a new one forms
+    sender.reconnect(urls)  # the same with other servers (membership changes only when a group forms)
     sender.close()
 
 push(): 1) POST /request_weight_update to every server in parallel (they validate before any
@@ -100,12 +101,13 @@ class WeightSender:
     ) -> None:
         if not server_urls:
             raise ValueError("WeightSender needs at least one server URL")
-        self.server_urls = [u.rstrip("/") for u in server_urls]
-        self.clients = [ShimClient(u, token=token, timeout_s=min(timeout_s, 60.0)) for u in self.server_urls]
         self._token = token  # also keys the HMAC of every store value (decision out, results in)
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.server_urls: list[str] = []
+        self.clients: list[ShimClient] = []
+        self._use_servers(server_urls)
         self.master_address = master_address
         self.group_name = group_name
         self.group: WeightGroup | None = None
@@ -204,8 +206,16 @@ class WeightSender:
         self._pool.shutdown(wait=False)
         self._drop_group()
 
-    def reconnect(self) -> None:
-        """Leave the weight group on every server and form a new one, e.g. after a failed push.
+    def _use_servers(self, urls: list[str]) -> None:
+        for client in self.clients:
+            client.close()
+        self.server_urls = [u.rstrip("/") for u in urls]
+        timeout_s = min(self.timeout_s, 60.0)
+        self.clients = [ShimClient(u, token=self._token, timeout_s=timeout_s) for u in self.server_urls]
+
+    def reconnect(self, server_urls: list[str] | None = None) -> None:
+        """Leave the weight group on every server and form a new one, e.g. after a failed push; with
+        `server_urls`, the new group has those servers (a server left out is not asked to leave).
 
         A broadcast that failed (a partition, a timeout) leaves the group unusable on every rank, while
         the servers keep serving their old weights and stay joined to it. This asks each server to
@@ -213,6 +223,9 @@ class WeightSender:
         update_in_progress), drops this side, and runs connect() again. Raises WeightPushError naming
         the servers that could not leave.
         """
+        if server_urls is not None:
+            stay = {u.rstrip("/") for u in server_urls}
+            self._use_servers([u for u in self.server_urls if u in stay])
         deadline = time.monotonic() + self.timeout_s
         answers = list(self._pool.map(lambda c: _try(lambda: leave_weight_group(c, deadline)), self.clients))
         failed = [f"{url}: {err}" for url, (_, err) in zip(self.server_urls, answers, strict=True) if err]
@@ -222,6 +235,8 @@ class WeightSender:
                 [f.split(": ")[0] for f in failed],
             )
         self._drop_group()
+        if server_urls is not None:
+            self._use_servers(server_urls)
         self.connect()
 
     def _drop_group(self) -> None:

@@ -113,6 +113,15 @@ class TrainerConfig(_Section):
     )
     bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
     push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
+    eject_failed_servers: bool = Field(
+        True,
+        description="A server that dies or stalls during a push leaves the weight group and the push goes on "
+        "with the others; it rejoins (and gets the current weights) once it answers again. False: the "
+        "trainer stops on a failed push.",
+    )
+    rejoin_check_s: float = Field(
+        2.0, gt=0, description="How often (at step boundaries) rank 0 looks for servers to (re)admit."
+    )
     weight_address: str = Field(
         "127.0.0.1",
         description="Address rank 0's weight-group store and gloo/NCCL rank listen on (set by --cluster: "

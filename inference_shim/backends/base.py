@@ -11,7 +11,11 @@ State every backend keeps (set once, in Backend.__init__):
   last_update      timings of the last applied update
   last_error       the most recent failure (join or update), cleared by the next applied update
   unhealthy        set when weights may be partially applied (or the engine was left paused): /health
-                   and generation answer 503 (error code unhealthy_error) until a restart
+                   and generation answer 503 (error code unhealthy_error) until an update is applied
+                   (every update carries every weight: then the engine holds one complete version)
+  awaiting_weights set by --await-weights (a server restarted mid-run, or resuming a run): /health and
+                   generation answer 503 awaiting_weights until the first update is applied, so nobody
+                   samples the start-up weights the trainer has long left behind
   paused, in_flight, updates_applied
 
 The lifecycle (template methods here; engines fill in the hooks named in brackets):
@@ -89,8 +93,11 @@ class Backend(abc.ABC):
         self.unhealthy_error = "weights_incomplete"  # the 503's error code while `unhealthy` is set
         # Token ids a prompt may hold are [0, vocab_size); None: the engine checks them itself.
         self.vocab_size: int | None = None
+        self.awaiting_weights = False
         self.paused = False
         self.updates_applied = 0
+        self.updates_failed = 0
+        self.reprefilled_tokens = 0
         self.in_flight = 0
         self._engine_version = "unknown"
         self._update_lock = asyncio.Lock()
@@ -315,6 +322,10 @@ class Backend(abc.ABC):
         self.version = result.version
         self.updates_applied += 1
         self.last_error = None
+        # A complete version is loaded (validate_update requires every weight): whatever mix or missing
+        # weights made the server refuse to generate is gone.
+        self.unhealthy = None
+        self.awaiting_weights = False
         self.last_update = UpdateTimings(
             version=result.version,
             total_bytes=result.total_bytes,
@@ -331,10 +342,14 @@ class Backend(abc.ABC):
         result.error = f"{type(error).__name__}: {short(error)}"
         self.last_error = f"update to version {result.version} failed: {result.error}"
         log.error(self.last_error)
+        self.updates_failed += 1
         self.metrics.updates.labels(result="error").inc()
         if partially_applied:
             self.unhealthy_error = "weights_incomplete"
-            self.unhealthy = f"weights may be partially applied (version {result.version}): {result.error}; restart the server"
+            self.unhealthy = (
+                f"weights may be partially applied (version {result.version}): {result.error}; the next "
+                "applied update (or a restart) ends this"
+            )
 
     # ------------------------------------------------------------------ generation guards
     def check_can_generate(self) -> None:
@@ -343,6 +358,23 @@ class Backend(abc.ABC):
         every engine output, so not even a request in flight across the failure gets such a token."""
         if self.unhealthy:
             raise ContractError(503, self.unhealthy_error, self.unhealthy)
+        if self.awaiting_weights:
+            raise ContractError(
+                503,
+                "awaiting_weights",
+                "this server has not received the trainer's weights yet (--await-weights): try another server",
+            )
+
+    def health_now(self) -> HealthResponse:
+        """GET /health: the engine's own health, and 503 awaiting_weights before the first update."""
+        health = self.health()
+        if health.status == "ok" and self.awaiting_weights:
+            return HealthResponse(
+                status="awaiting_weights",
+                weight_version=self.version,
+                detail="started with --await-weights: generation begins with the trainer's first update",
+            )
+        return health
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """A prompt given as token ids must hold ids of this model's vocabulary (422 otherwise)."""
@@ -364,6 +396,9 @@ class Backend(abc.ABC):
             in_flight_requests=self.in_flight,
             paused=self.paused,
             updates_applied=self.updates_applied,
+            updates_failed=self.updates_failed,
+            awaiting_weights=self.awaiting_weights,
+            reprefilled_tokens=self.reprefilled_tokens,
         )
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:

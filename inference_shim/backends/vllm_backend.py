@@ -88,6 +88,9 @@ class VllmBackend(Backend):
         self.workers = options.tensor_parallel_size
         self.max_model_len = options.max_model_len or 0  # resolved from the model in start()
         self._request_ids: set[str] = set()  # in flight: what _abort_in_flight ends
+        # request id -> tokens whose KV it holds (prompt per sequence + generated): what a cache reset
+        # after an update makes the engine compute again (reprefilled_tokens).
+        self._request_tokens: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -190,6 +193,7 @@ class VllmBackend(Backend):
         request_id = uuid.uuid4().hex
         self.in_flight += 1
         self._request_ids.add(request_id)
+        self._request_tokens[request_id] = len(prompt_ids) * params.n
         self.metrics.in_flight.set(self.in_flight)
         final: list[ChoiceDelta] = []
         try:
@@ -197,7 +201,10 @@ class VllmBackend(Backend):
                 TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id
             ):
                 deltas = [self._delta(o, params.top_logprobs) for o in output.outputs]
-                self.metrics.generated_tokens.inc(sum(len(d.token_ids) for d in deltas))
+                new_tokens = sum(len(d.token_ids) for d in deltas)
+                self.metrics.generated_tokens.inc(new_tokens)
+                if stream:  # FINAL_ONLY outputs carry every token again: counted once, below
+                    self._request_tokens[request_id] += new_tokens
                 if stream:
                     yield deltas
                 else:
@@ -209,6 +216,7 @@ class VllmBackend(Backend):
         finally:
             self.in_flight -= 1
             self._request_ids.discard(request_id)
+            self._request_tokens.pop(request_id, None)
             self.metrics.in_flight.set(self.in_flight)
 
     def _delta(self, o, top_k: int) -> ChoiceDelta:
@@ -291,6 +299,10 @@ class VllmBackend(Backend):
 
     async def _reset_cache(self) -> None:
         if self.options.kv_after_update == "recompute":
+            # Non-streamed requests report no tokens until they end: their generated part is not counted.
+            dropped = sum(self._request_tokens.values())
+            self.reprefilled_tokens += dropped
+            self.metrics.reprefilled_tokens.inc(dropped)
             await self.engine.reset_prefix_cache(reset_running_requests=True)
 
     async def _resume(self) -> None:

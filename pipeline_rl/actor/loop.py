@@ -30,7 +30,7 @@ import httpx
 from pydantic import ValidationError
 
 from inference_shim.client import AsyncShimClient, ShimError
-from inference_shim.openai_protocol import ChatCompletionResponse, VersionSpan
+from pipeline_rl.actor.completions import Completion, completions_of
 from pipeline_rl.actor.errors import ActorError, TrainerStalled
 from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
 from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
@@ -43,50 +43,6 @@ from pipeline_rl.tasks import Grader, Problem, compute_reward, make_task
 logger = logging.getLogger("pipeline_rl.actor")
 
 WAIT_REASONS = ("lag", "buffer")  # what gate_block can answer
-
-
-@dataclass
-class Completion:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    spans: list[VersionSpan]
-    finish_reason: str
-    text: str
-    server: str
-
-
-def completions_of(response: ChatCompletionResponse, n: int, server: str) -> list[Completion]:
-    """The response's choices as Completions. The typed response already checked what the contract
-    promises (spans tile the tokens, one logprob per token); this checks that the extensions the actor
-    asked for are there (raises ActorError)."""
-
-    def broken(why: str) -> ActorError:
-        return ActorError(f"{server} broke the inference contract ({why}); see docs/contract.md")
-
-    if len(response.choices) != n:
-        raise broken(f"asked for n={n} choices, got {len(response.choices)}")
-    if not response.prompt_token_ids:
-        raise broken("no prompt_token_ids")
-    out = []
-    for choice in sorted(response.choices, key=lambda c: c.index):
-        content = choice.logprobs.content if choice.logprobs else None
-        if choice.token_ids is None or content is None:
-            raise broken("no token_ids or logprobs.content")
-        if choice.weight_versions is None:
-            raise broken("no weight_versions: the server does not report per-token versions")
-        out.append(
-            Completion(
-                prompt_token_ids=list(response.prompt_token_ids),
-                token_ids=choice.token_ids,
-                logprobs=[e.logprob for e in content],
-                spans=choice.weight_versions,
-                finish_reason=choice.finish_reason or "unknown",
-                text=choice.message.content or "",
-                server=server,
-            )
-        )
-    return out
 
 
 @dataclass
@@ -353,7 +309,16 @@ class Actor:
                 continue
             finally:
                 self.router.release(server)
-            return completions_of(response, n, server.url)
+            completions = completions_of(response, n, server.url)
+            newest = max(span.version for c in completions for span in c.spans) if completions else None
+            if newest is not None and newest < self._oldest_usable_version():
+                # Left behind (ejected from the weight group): no more requests until it caught up. This
+                # answer is kept; the trainer drops samples that are too old when it trains.
+                self.router.mark_failed(
+                    server, f"serves version {newest}, behind the trainer's {self.progress.version}"
+                )
+                self.probe_now.set()
+            return completions
 
     # -- background ---------------------------------------------------------------------------------
     async def _read_events(self, reader, block_s: float) -> None:
@@ -370,15 +335,22 @@ class Actor:
         while True:
             await self._read_events(reader, block_s=0.5)
 
+    def _oldest_usable_version(self) -> int:
+        """A server serving weights older than this would only produce samples the trainer drops."""
+        return self.progress.version - self.cfg.actor.max_lag
+
     async def _probe(self, server: Server) -> None:
         try:
-            healthy = (await server.client.health()).status == "ok"
+            health = await server.client.health()
+            healthy = health.status == "ok" and health.weight_version >= self._oldest_usable_version()
         except (httpx.HTTPError, ShimError, ValueError):
             healthy = False
         if healthy:
             self.router.mark_healthy(server)
         elif server.healthy:
-            self.router.mark_failed(server, "/health did not answer ok")
+            self.router.mark_failed(
+                server, f"/health did not answer ok with a version >= {self._oldest_usable_version()}"
+            )
 
     async def _probe_loop(self) -> None:
         while True:

@@ -245,6 +245,8 @@ class Trainer:
         report = self.publisher.last_report
         if report is not None:
             line.update(push_bytes=report.total_bytes, push_max_pause_s=report.max_pause_seconds)
+        if self.publisher.enabled:
+            line.update(self.publisher.membership_metrics())
         self.metrics.write(line, batch_id=batch_id, sample_ids=result.sample_ids)
 
     def finish(self) -> None:

@@ -13,8 +13,22 @@ push() at the same point of the loop):
              together with the push's outcome (so a refused push, where fetch is never called, cannot
              leave them waiting in a gather). Replicated strategies gather nothing and the other ranks
              only wait for the outcome.
-  A failed push raises WeightPushError on rank 0 (naming the servers) and RankFailure on the others:
-  the trainer stops, loudly. It never continues with servers that serve other weights.
+
+Membership (rank 0; trainer.eject_failed_servers, on by default). torch.distributed groups have a fixed
+size, so the set of servers changes only when a group forms (the choice and its cost: docs/decisions.md
+"Servers that fail, rejoin, join"):
+  eject:   a push fails -> every member is probed (GET /health, short deadline); those that do not
+           answer (killed, stopped, cut off) leave the membership, the others form a new group and get
+           the same version again (restore: some may hold it already). No trainer restart; the lag gate
+           and the actors' version check keep anyone from sampling the ejected server's old weights.
+  rejoin:  at a step boundary, at most every trainer.rejoin_check_s, the configured servers outside the
+           group are probed; one that answers leaves any stale group and the group forms again with it,
+           so the push that follows gives it the current weights (a restarted server answers 503
+           awaiting_weights until then).
+  Without a member (every server down) the push waits for one to come back, up to
+  inference.startup_timeout_s, then raises. With ejection off, a failed push raises WeightPushError on
+  rank 0 (naming the servers) and RankFailure on the others: the trainer stops, loudly.
+In every case the trainer announces a version only once every member serves it.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 
+import httpx
 import torch
 
 from inference_shim.client import ShimClient, ShimError
@@ -34,6 +49,8 @@ from pipeline_rl.trainer.strategies import Strategy
 log = logging.getLogger("pipeline_rl.trainer.weights")
 
 _DONE = "done"
+PROBE_S = 3.0  # a member that does not answer /health within this is ejected after a failed push
+REJOIN_RELEASE_S = 5.0  # a returning server still busy with a stale update is retried at the next check
 
 
 class WeightPublisher:
@@ -42,9 +59,14 @@ class WeightPublisher:
         self.strategy = strategy
         self.comm = comm
         self.urls = list(cfg.inference.urls)
+        self.members = list(self.urls)  # servers of the current weight group (rank 0)
         self.specs = strategy.weight_specs()
         self.sender: WeightSender | None = None
         self.last_report: PushReport | None = None
+        self.ejected_total = 0  # servers taken out of the group after a failed push or join
+        self.rejoined_total = 0  # servers (re)admitted after that
+        self.rebuild_seconds = 0.0  # time spent re-forming the group (the cost of a membership change)
+        self._next_rejoin_check = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -59,10 +81,16 @@ class WeightPublisher:
 
     def _connect_main(self) -> None:
         t = self.cfg.trainer
-        for url in self.urls:
-            _release_stale_group(url, self.cfg.inference.token, t.push_timeout_s)
+        if t.eject_failed_servers:
+            # A server that is down now (or cannot leave a dead trainer's group yet) joins later.
+            self.members = self._release(self.urls, t.push_timeout_s)
+            if not self.members:
+                self._wait_for_a_server()
+        else:
+            for url in self.urls:
+                _release_stale_group(url, self.cfg.inference.token, t.push_timeout_s)
         self.sender = WeightSender(
-            self.urls,
+            self.members,
             token=self.cfg.inference.token,
             backend=self.cfg.inference.weight_transport,
             bucket_bytes=t.bucket_mb * 1024 * 1024,
@@ -71,8 +99,13 @@ class WeightPublisher:
             # several (pipeline_rl/launch/cluster.py sets it from the cluster file).
             master_address=t.weight_address,
         )
-        self.sender.connect()
-        log.info("weight group joined with %d server(s): %s", len(self.urls), self.urls)
+        try:
+            self.sender.connect()
+        except WeightPushError as e:
+            if not t.eject_failed_servers:
+                raise
+            self._eject(e, "joining")
+        log.info("weight group joined with %d server(s): %s", len(self.members), self.members)
 
     def push(self, version: int, *, restore: bool = False) -> PushReport | None:
         """Push the current weights as `version` to every server (collective; see module docstring)."""
@@ -112,7 +145,15 @@ class WeightPublisher:
             assert tensors is not None
             return tensors
 
-        report = self.sender.push(version, metas, fetch, restore=restore)
+        self._admit_returning()
+        try:
+            report = self.sender.push(version, metas, fetch, restore=restore)
+        except WeightPushError as e:
+            if not self.cfg.trainer.eject_failed_servers:
+                raise
+            self._eject(e, f"pushing version {version}")
+            # The members get the same version again; some may hold it already.
+            report = self.sender.push(version, metas, fetch, restore=True)
         log.info(
             "pushed version %d%s: %.1f MB in %d bucket(s), %.3fs (max server pause %.3fs)",
             version,
@@ -123,6 +164,100 @@ class WeightPublisher:
             report.max_pause_seconds,
         )
         return report
+
+    # ------------------------------------------------------------------ membership (rank 0)
+    def _answers(self, url: str) -> bool:
+        """Whether the server answers HTTP at all (any status): dead, stopped or cut-off ones do not."""
+        try:
+            httpx.get(f"{url}/health", timeout=PROBE_S)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    def _eject(self, error: WeightPushError, what: str) -> None:
+        """After a failed push or join: drop the members that do not answer and re-form the group with
+        the rest (waiting for a server when none is left). Raises the error when every member answers
+        (not a dead server: retrying cannot help) or when nobody comes back in time."""
+        gone = [u for u in self.members if not self._answers(u)]
+        if not gone:
+            raise error
+        log.warning(
+            "%s failed (%s): ejecting %s (not answering); going on with %s",
+            what,
+            error,
+            gone,
+            [u for u in self.members if u not in gone],
+        )
+        self.ejected_total += len(gone)
+        self.members = [u for u in self.members if u not in gone]
+        self._next_rejoin_check = time.monotonic() + self.cfg.trainer.rejoin_check_s
+        if not self.members:
+            self._wait_for_a_server()
+        try:
+            self._rebuild(self.members)
+        except WeightPushError as e:  # another one failed meanwhile: each round ejects at least one
+            self._eject(e, "re-forming the weight group")
+
+    def _wait_for_a_server(self) -> None:
+        deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
+        log.warning("no server left in the weight group: waiting for one to answer")
+        while time.monotonic() < deadline:
+            back = self._release([u for u in self.urls if self._answers(u)], REJOIN_RELEASE_S)
+            if back:
+                self.members = back
+                self.rejoined_total += len(back)
+                return
+            time.sleep(1.0)
+        raise WeightPushError(
+            f"no inference server answered for {self.cfg.inference.startup_timeout_s:.0f}s "
+            "(inference.startup_timeout_s): nothing to push to",
+            self.urls,
+        )
+
+    def _admit_returning(self) -> None:
+        """At a step boundary: re-form the group with the configured servers that answer again."""
+        if len(self.members) == len(self.urls) or time.monotonic() < self._next_rejoin_check:
+            return
+        self._next_rejoin_check = time.monotonic() + self.cfg.trainer.rejoin_check_s
+        outside = [u for u in self.urls if u not in self.members and self._answers(u)]
+        back = self._release(outside, REJOIN_RELEASE_S)
+        if not back:
+            return
+        log.info("servers %s answer again: the weight group forms again with them", back)
+        self.members = [u for u in self.urls if u in self.members or u in back]
+        try:
+            self._rebuild(self.members)
+        except WeightPushError as e:
+            self._eject(e, "re-forming the weight group")
+        self.rejoined_total += len([u for u in back if u in self.members])
+
+    def _release(self, urls: list[str], timeout_s: float) -> list[str]:
+        """Ask servers outside our group to leave any old one; those that could (the others: next time)."""
+        ready = []
+        for url in urls:
+            try:
+                _release_stale_group(url, self.cfg.inference.token, timeout_s)
+                ready.append(url)
+            except WeightPushError as e:
+                log.warning("%s cannot join the weight group now: %s", url, e)
+        return ready
+
+    def _rebuild(self, members: list[str]) -> None:
+        assert self.sender is not None
+        started = time.perf_counter()
+        self.sender.reconnect(members)
+        took = time.perf_counter() - started
+        self.rebuild_seconds += took
+        log.info("weight group formed again with %s in %.2fs", members, took)
+
+    def membership_metrics(self) -> dict[str, float]:
+        """For the trainer's metrics line: servers in the group, ejections, rejoins, rebuild time."""
+        return {
+            "servers_in_group": len(self.members),
+            "servers_ejected_total": self.ejected_total,
+            "servers_rejoined_total": self.rejoined_total,
+            "group_rebuild_s_total": self.rebuild_seconds,
+        }
 
     def close(self) -> None:
         if self.sender is not None:
@@ -136,7 +271,7 @@ def _release_stale_group(url: str, token: str | None, timeout_s: float) -> None:
     A server finishing an update from the dead trainer answers 409 update_in_progress until that update
     fails on its own deadline; we retry until `timeout_s`.
     """
-    client = ShimClient(url, token=token, timeout_s=30.0)
+    client = ShimClient(url, token=token, timeout_s=min(30.0, timeout_s))
     try:
         if client.debug_state().group is None:
             return

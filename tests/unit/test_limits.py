@@ -259,3 +259,26 @@ def test_metrics_label_by_route_template_and_stay_bounded():
         assert len(lines) <= 4, lines
 
     _run(scenario())
+
+
+def test_await_weights_refuses_generation_until_the_first_update_then_serves():
+    async def scenario():
+        backend, app = _app()
+        backend.awaiting_weights = True
+        async with _client(app) as c:
+            _is_error(await c.post("/v1/chat/completions", json=CHAT), 503, "awaiting_weights")
+            health = await c.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "awaiting_weights"
+            assert (await c.get("/debug/state")).json()["awaiting_weights"] is True
+            from inference_shim.protocol import UpdateResult
+
+            backend._publish_update(UpdateResult(server_id="s", version=4, ok=False))
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            health = await c.get("/health")
+            assert health.status_code == 200 and health.json() == {
+                "status": "ok",
+                "weight_version": 4,
+                "detail": None,
+            }
+
+    _run(scenario())

@@ -1,7 +1,7 @@
 """The update template's deadlines and recovery (inference_shim/backends/base.py), with engine calls that
 hang or fail on purpose (tests/unit/_fake_backend.py): a stuck pause, label, cache reset or resume fails
 the update cleanly (pending cleared, last_error set) instead of leaving it pending forever, and a server
-whose weights may be mixed never generates again (weights_incomplete) until restarted.
+whose weights may be mixed generates nothing (weights_incomplete) until an update is applied.
 
     .venv/bin/python -m pytest -q tests/unit/test_update_deadlines.py
 """
@@ -123,3 +123,18 @@ def test_resume_that_never_returns_after_a_failed_pause_says_engine_paused():
     with pytest.raises(ContractError) as e:
         backend.check_can_generate()
     assert e.value.error == "engine_paused"
+
+
+def test_an_applied_update_after_a_failed_apply_serves_again():
+    """weights_incomplete lasts until a complete version is loaded: every update carries every weight."""
+    backend = FakeBackend()
+    backend.fail.add("apply")
+    _update(backend)
+    assert backend.unhealthy and backend.updates_failed == 1
+    with pytest.raises(ContractError):
+        backend.check_can_generate()
+    backend.fail.clear()
+    _update(backend)
+    assert backend.unhealthy is None and backend.version == 1
+    backend.check_can_generate()  # no 503 any more
+    assert backend.debug_state().updates_failed == 1
