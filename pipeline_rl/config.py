@@ -167,10 +167,18 @@ class RestartPolicy(_Section):
 class SupervisionConfig(_Section):
     """What the launcher does when a process dies, and how long each stage of the shutdown may take.
 
-    Actors, preprocessors and the private Redis are restarted under their policy; a server or a trainer
-    rank that dies stops the run (they are not restartable yet).
+    Every role is restarted under its policy: a server comes back with --await-weights and rejoins the
+    weight group at the trainer's next step boundary; the trainer resumes from its newest checkpoint (on
+    one host: trainer ranks spread over several hosts are not restarted, their death stops the run).
     """
 
+    server: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="Restart policy of each inference server."
+    )
+    trainer: RestartPolicy = Field(
+        default_factory=RestartPolicy,
+        description="Restart policy of the trainer (all its ranks; resumes from the newest checkpoint).",
+    )
     actor: RestartPolicy = Field(default_factory=RestartPolicy, description="Restart policy of each actor.")
     preprocessor: RestartPolicy = Field(
         default_factory=RestartPolicy, description="Restart policy of each preprocessor."

@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import threading
+import time
+from pathlib import Path
 
 from inference_shim.client import AsyncShimClient
 from pipeline_rl.tasks import TaskConfig, make_task
@@ -53,6 +56,57 @@ def evaluate_server(
 ) -> dict:
     """{'accuracy', 'unparseable', 'problems', 'weight_version'} of greedy answers on the test split."""
     return asyncio.run(_evaluate(url, task_cfg, num_problems, max_tokens, token))
+
+
+class RunEvaluations:
+    """The launcher's evaluations of one run: before/after RL and periodic (eval.every_s), each appended
+    to <run_dir>/stats.jsonl as type 'eval' (where the report's plots and the benchmarks read them).
+    Each uses the first server that answers it (a server may be restarting)."""
+
+    def __init__(self, cfg, run_dir: Path) -> None:
+        self.cfg = cfg  # a pipeline_rl.config.RunConfig
+        self.run_dir = run_dir
+        self.results: dict[str, dict] = {}  # "before" / "after" -> result
+        self._thread: threading.Thread | None = None
+
+    def measure(self) -> dict:
+        e, inference = self.cfg.eval, self.cfg.inference
+        errors = []
+        for url in inference.urls:
+            try:
+                return evaluate_server(url, self.cfg.task, e.num_problems, e.max_tokens, inference.token)
+            except Exception as err:  # the next server may answer
+                errors.append(f"{url}: {type(err).__name__}: {err}")
+        raise RuntimeError("no server could be evaluated: " + "; ".join(errors))
+
+    def record(self, result: dict, when: str) -> None:
+        row = {"type": "eval", "time": time.time(), "when": when, **result}
+        with (self.run_dir / "stats.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def evaluate(self, when: str) -> None:
+        result = self.measure()
+        self.results[when] = result
+        self.record(result, when)
+        print(
+            f"held-out accuracy {when} RL: {result['accuracy']:.1%} (weight version {result['weight_version']})",
+            flush=True,
+        )
+
+    def start_periodic(self) -> None:
+        """One evaluation in a background thread, unless the previous one is still running."""
+
+        def run() -> None:
+            try:
+                result = self.measure()
+            except Exception as e:  # a failed evaluation is reported, the run goes on
+                print(f"(periodic evaluation failed: {e})", flush=True)
+                return
+            self.record(result, "periodic")
+
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=run, name="periodic-eval", daemon=True)
+            self._thread.start()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -150,3 +150,33 @@ def serve_status(port: int, snapshot: Callable[[], dict]) -> ThreadingHTTPServer
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="status-http", daemon=True).start()
     return server
+
+
+FINAL_PROBE = {"prompt": "12+7=", "max_tokens": 8, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+
+
+def final_server_states(urls: list[str], api_key: str | None = None) -> list[dict]:
+    """What each server serves at the end of a run: its weight version and a greedy completion of
+    FINAL_PROBE with token ids and logprobs (written to <run_dir>/servers_final.json, so anyone can check
+    every server against the final checkpoint). A server that does not answer gets an `error`."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    states = []
+    for url in urls:
+        try:
+            version = httpx.get(f"{url}/health", timeout=10).json()["weight_version"]
+            answer = httpx.post(f"{url}/v1/completions", json=FINAL_PROBE, headers=headers, timeout=60)
+            answer.raise_for_status()
+            body = answer.json()
+            choice = body["choices"][0]
+            states.append(
+                {
+                    "url": url,
+                    "weight_version": version,
+                    "prompt_token_ids": body["prompt_token_ids"],
+                    "token_ids": choice["token_ids"],
+                    "logprobs": choice["logprobs"]["token_logprobs"],
+                }
+            )
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            states.append({"url": url, "error": f"{type(e).__name__}: {e}"})
+    return states

@@ -8,10 +8,13 @@ this node needs (Redis reachable, every server healthy) -> baseline evaluation (
 -> trainer ranks -> every server joined the weight group (nodes with a trainer or actors) ->
 preprocessors -> actors -> supervise -> final evaluation -> stop everything -> summary + plots.
 
-Supervision (pipeline_rl/launch/supervision.py): a dead actor or preprocessor (non-zero code or a
-signal) and this node's private Redis (append-only file in <run_dir>/redis: a restart keeps what it
-acknowledged) are restarted under `supervision.*` until their budget is spent; a dead server or trainer,
-or an actor or preprocessor exiting 0, stops the run. `GET /status` counts restarts per role. Shutdown
+Supervision (pipeline_rl/launch/supervision.py): a dead server, trainer, actor or preprocessor
+(non-zero code or a signal) and this node's private Redis (append-only file in <run_dir>/redis: a
+restart keeps what it acknowledged) are restarted under `supervision.*` until their budget is spent; a
+restarted server answers 503 until the trainer re-admits it and pushes the current weights, a restarted
+trainer resumes from its checkpoint. Trainer ranks spread over several hosts are not restarted. An
+actor, preprocessor or server exiting 0 stops the run. `GET /status` counts restarts per role. A
+resumed run (trainer.resume with a checkpoint) starts its servers with --await-weights too. Shutdown
 stages, each one SIGTERM then SIGKILL at its deadline: actors, trainer (supervision.trainer_stop_s for
 its last step, push and final checkpoint while the servers are up), preprocessors, servers, Redis.
 
@@ -36,6 +39,7 @@ import httpx
 from inference_shim.procs import wait_healthy
 from pipeline_rl.config import RunConfig, public_config, secret_fields
 from pipeline_rl.launch.cluster import REDIS_LINGER_S, wait_other_clients_off
+from pipeline_rl.launch.evaluate import RunEvaluations
 from pipeline_rl.launch.plan import NodeShare, plan, print_plan
 from pipeline_rl.launch.processes import (
     Child,
@@ -45,9 +49,24 @@ from pipeline_rl.launch.processes import (
     wait_all_healthy,
     write_command_file,
 )
-from pipeline_rl.launch.supervision import BudgetSpent, RedisUnit, Supervisor, describe_exit
+from pipeline_rl.launch.supervision import (
+    BudgetSpent,
+    RedisUnit,
+    Supervisor,
+    describe_exit,
+    restart_argv,
+)
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from pipeline_rl.trainer.checkpoint import checkpoints_root
+
+    root = checkpoints_root(run_dir)
+    return root.is_dir() and any(
+        p.name.startswith("step_") and not p.name.endswith(".tmp") for p in root.iterdir()
+    )
 
 
 class PeerMissing(RuntimeError):
@@ -68,11 +87,12 @@ class Launcher:
         self.monitor = None
         self.status_server = None
         self.stop_requested: str | None = None
-        self.evals: dict = {}
-        self._eval_thread = None
+        self.evals = RunEvaluations(cfg, run_dir)
         self.monitor_closed = False
         self.supervisor = Supervisor(cfg.supervision)
         self.env: dict[str, str] = {}  # the children's base environment, kept for their restarts
+        # Resuming from a checkpoint: servers must not serve the start-up weights before the restore push.
+        self.resuming = cfg.trainer.resume and _has_checkpoint(Path(cfg.run_dir))
 
     def _on_signal(self, signum, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name
@@ -90,15 +110,15 @@ class Launcher:
             self._wait_peers()
             if self._interrupted():
                 return 130
-            if self.share.evaluates:
-                self._evaluate("before")
+            if self.share.evaluates and not self.resuming:  # resuming: servers wait for the trainer
+                self.evals.evaluate("before")
             self._start(by_role["trainer"], env)
             if self.share.trainer or self.share.actors:
                 self._wait_trainer_joined()
             self._start([s for s in specs if s.role in ("preprocessors", "actors")], env)
             code = self._supervise()
             if code == 0 and self.share.evaluates:
-                self._evaluate("after")
+                self.evals.evaluate("after")
             return code
         except ChildFailed as e:
             return self._fail(e.child, str(e))
@@ -138,6 +158,10 @@ class Launcher:
         self.cfg = cfg
         (self.run_dir / "config.json").write_text(public_config(cfg).model_dump_json(indent=2) + "\n")
         specs = plan(cfg, self.run_dir, self.share)
+        if self.resuming:
+            for spec in specs:
+                if spec.role == "servers":
+                    spec.argv = restart_argv("servers", spec.argv)
         (self.run_dir / "cmd").mkdir(exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         for spec in specs:
@@ -223,22 +247,6 @@ class Launcher:
             raise PeerMissing("the trainer (on another node) did not join the weight group of every server")
         raise ChildFailed(trainer, "did not join the weight group of every server in time")
 
-    def _periodic_eval(self) -> None:
-        """eval.every_s > 0: evaluate in a background thread; results land in stats.jsonl as type 'eval'."""
-        import threading
-
-        def run() -> None:
-            try:
-                result = self._evaluation()
-            except Exception as e:  # a failed evaluation is reported, the run goes on
-                print(f"(periodic evaluation failed: {e})", flush=True)
-                return
-            self._record_eval(result, "periodic")
-
-        if self._eval_thread is None or not self._eval_thread.is_alive():
-            self._eval_thread = threading.Thread(target=run, name="periodic-eval", daemon=True)
-            self._eval_thread.start()
-
     def _poll_streams(self) -> None:
         if self.redis is not None and not self.redis.running:
             return  # our Redis is down (a restart is pending): reading would only retry until it is back
@@ -278,6 +286,7 @@ class Launcher:
             if trainer is not None and trainer.poll() == 0:
                 self._poll_streams()
                 print(f"trainer finished ({self.monitor.version} steps)", flush=True)
+                self._record_servers_final()
                 return 0
             failed = self._check_processes()
             if failed is not None:
@@ -304,13 +313,21 @@ class Launcher:
                 print("servers keep serving until this launcher is stopped (Ctrl-C / SIGTERM)", flush=True)
             if self.cfg.eval.every_s and time.monotonic() - last_eval >= self.cfg.eval.every_s:
                 if self.share.evaluates:
-                    self._periodic_eval()
+                    self.evals.start_periodic()
                 last_eval = time.monotonic()
             if time.monotonic() - last_progress >= self.progress_every_s:
                 self.monitor.poll_servers(self.cfg.inference.urls)
                 print(self.monitor.progress_line(), flush=True)
                 last_progress = time.monotonic()
             time.sleep(0.5)
+
+    def _record_servers_final(self) -> None:
+        from pipeline_rl.launch.monitor import final_server_states
+
+        states = final_server_states(self.cfg.inference.urls)
+        (self.run_dir / "servers_final.json").write_text(json.dumps(states, indent=2) + "\n")
+        versions = {s["url"]: s.get("weight_version", s.get("error")) for s in states}
+        print(f"servers at the end: {versions}", flush=True)
 
     def _check_processes(self) -> int | None:
         """Schedule the restart of each restartable process that died and perform those that are due;
@@ -320,7 +337,7 @@ class Launcher:
             code = unit.poll()
             if code is None or self.supervisor.pending(unit.name):
                 continue
-            if self.supervisor.policy(unit.role) is None or code == 0:
+            if code == 0 or not self._restartable(unit):
                 return self._fail(unit, f"exited with code {describe_exit(code)}")
             try:
                 delay = self.supervisor.schedule(unit.name, unit.role, code)
@@ -339,9 +356,17 @@ class Launcher:
                 if not self._restart_redis():
                     return self._fail(unit, "could not be restarted")
             else:
+                unit.spec.argv = restart_argv(unit.role, unit.spec.argv)
+                stop_all([unit], grace_s=1.0)  # whatever its leader left behind (engine processes, ranks)
                 unit.start(self.env)
                 print(f"restarted {name} (pid {unit.proc.pid}), log: logs/{name}.log", flush=True)
         return None
+
+    def _restartable(self, unit: Child | RedisUnit) -> bool:
+        if self.supervisor.policy(unit.role) is None:
+            return False
+        # Trainer ranks on several hosts restart together or not at all: this node cannot do that alone.
+        return not (unit.role == "trainer" and self.share.cluster)
 
     def _restart_redis(self) -> bool:
         try:
@@ -368,30 +393,6 @@ class Launcher:
             flush=True,
         )
         return 1
-
-    def _record_eval(self, result: dict, when: str) -> None:
-        """Append an evaluation to stats.jsonl, where the report's plots and the benchmarks read it."""
-        row = {"type": "eval", "time": time.time(), "when": when, **result}
-        with (self.run_dir / "stats.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def _evaluation(self) -> dict:
-        from pipeline_rl.launch.evaluate import evaluate_server
-
-        e = self.cfg.eval
-        token = self.cfg.inference.token
-        return evaluate_server(
-            self.cfg.inference.urls[0], self.cfg.task, e.num_problems, e.max_tokens, token=token
-        )
-
-    def _evaluate(self, when: str) -> None:
-        result = self._evaluation()
-        self.evals[when] = result
-        self._record_eval(result, when)
-        print(
-            f"held-out accuracy {when} RL: {result['accuracy']:.1%} (weight version {result['weight_version']})",
-            flush=True,
-        )
 
     def _shutdown(self, started: float) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -430,11 +431,12 @@ class Launcher:
         from pipeline_rl.launch.report import make_plots, summarize
 
         extra = {"mode": self.cfg.mode}
-        if "before" in self.evals:
-            extra["accuracy_before"] = self.evals["before"]["accuracy"]
-        if "after" in self.evals:
-            extra["accuracy_after"] = self.evals["after"]["accuracy"]
-            extra["final_weight_version"] = self.evals["after"]["weight_version"]
+        done = self.evals.results
+        if "before" in done:
+            extra["accuracy_before"] = done["before"]["accuracy"]
+        if "after" in done:
+            extra["accuracy_after"] = done["after"]["accuracy"]
+            extra["final_weight_version"] = done["after"]["weight_version"]
         summary = summarize(self.run_dir, started, extra)
         plots = make_plots(self.run_dir, started)
         print("\n=== summary ===")

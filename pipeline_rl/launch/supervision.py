@@ -5,12 +5,13 @@
     delay = sup.schedule("actor0", "actors", exit_code)   # raises BudgetSpent when nothing is left
     for name in sup.due(): ...restart it...               # each scheduled restart, once its wait is over
 
-Restartable roles and their policies (`supervision.<field>` in the config): actors (`actor`),
-preprocessors (`preprocessor`), the launcher's private Redis (`redis`). They are restartable by design:
-an actor draws a new incarnation (fresh sample ids), a preprocessor gets its unacked entries back from
-its consumer group, Redis replays its append-only file. Servers and trainer ranks are not: their death
-stops the run, as before (a server would first have to catch up to the trainer's weights; the trainer
-would have to resume from its checkpoint).
+Restartable roles and their policies (`supervision.<field>` in the config): servers (`server`), the
+trainer (`trainer`), actors (`actor`), preprocessors (`preprocessor`), the launcher's private Redis
+(`redis`). Each is restartable by design: a server comes back with --await-weights (503 until the
+trainer's next push gives it the current weights; the trainer re-admits it at a step boundary), the
+trainer resumes from its newest checkpoint (--resume; steps after it are redone, their samples come
+again from the streams' committed positions), an actor draws a new incarnation (fresh sample ids), a
+preprocessor gets its unacked entries back from its consumer group, Redis replays its append-only file.
 
 The budget is per process (actor0 dying does not spend actor1's), counted over the whole run; the wait
 doubles with each restart of that process, up to max_backoff_s, so a process that dies at once after
@@ -28,7 +29,16 @@ from inference_shim import procs
 from pipeline_rl.config import RestartPolicy, SupervisionConfig
 
 # role (as in the launch plan) -> field of SupervisionConfig holding its policy
-POLICY_FIELD = {"actors": "actor", "preprocessors": "preprocessor", "redis": "redis"}
+POLICY_FIELD = {
+    "servers": "server",
+    "trainer": "trainer",
+    "actors": "actor",
+    "preprocessors": "preprocessor",
+    "redis": "redis",
+}
+# Flag each role's restarted command gets (a server must not serve its start-up weights; the trainer
+# continues from its checkpoint).
+RESTART_FLAG = {"servers": "--await-weights", "trainer": "--resume"}
 
 
 def restart_delay(policy: RestartPolicy, restarts: int) -> float | None:
@@ -108,11 +118,17 @@ class Supervisor:
         self.restarts[name] = self.restarts.get(name, 0) + 1
 
     def restarts_by_role(self) -> dict[str, int]:
-        """Restarts per restartable role ({"actors": 1, "preprocessors": 0, "redis": 0}), for /status."""
+        """Restarts per restartable role ({"servers": 0, "actors": 1, ...}), for /status."""
         counts = dict.fromkeys(POLICY_FIELD, 0)
         for name, n in self.restarts.items():
             counts[self.roles[name]] += n
         return counts
+
+
+def restart_argv(role: str, argv: list[str]) -> list[str]:
+    """The command of a restarted process of `role`: its first argv plus RESTART_FLAG[role], once."""
+    flag = RESTART_FLAG.get(role)
+    return argv if flag is None or flag in argv else [*argv, flag]
 
 
 class RedisUnit:

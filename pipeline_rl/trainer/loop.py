@@ -70,7 +70,9 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
         tr.state.groups_consumed += result.groups
         tr.state.tokens_consumed += result.trained_tokens
         pushed = time.perf_counter()
-        tr.publisher.push(step)  # 3
+        # Resumed without a checkpoint: the servers may serve a later version of the lost life.
+        tr.publisher.push(step, restore=tr.restore_next_push)  # 3
+        tr.restore_next_push = False
         timings = {"wait_data_s": waited, **result.timings, "weight_push_s": time.perf_counter() - pushed}
         tr.announce()  # 4
         timings["checkpoint_s"] = tr.checkpoint() if tr.checkpoint_due() else 0.0  # 5
@@ -96,6 +98,7 @@ class Trainer:
     saved_step: int
     saved_at: float  # time.monotonic() of the last checkpoint (or of the start), for the time cadence
     ledger: LedgerWriter | None = None  # rank 0 only
+    restore_next_push: bool = False  # resumed with no checkpoint: the first push may go back in versions
 
     @classmethod
     def start(cls, cfg: RunConfig) -> Trainer:
@@ -127,6 +130,7 @@ class Trainer:
             ledger=LedgerWriter(cfg.run_dir, "trainer") if main else None,
             saved_step=state.step if ckpt else -1,
             saved_at=time.monotonic(),
+            restore_next_push=cfg.trainer.resume and ckpt is None,
         )
         if tr.ledger is not None:
             tr.ledger.resumed(state.step)  # before anything is trained again: voids later steps' lines
@@ -253,6 +257,11 @@ class Trainer:
         """Final checkpoint (unless the last step has one), then leave the weight and trainer groups."""
         if self.state.step != self.saved_step:
             self.checkpoint()
+        p = self.publisher
+        # Servers left out of the group (ejected, restarting) get the final weights if they come back in
+        # time; rank 0 alone knows the membership, and the push is collective.
+        if p.enabled and self.state.version > 0 and self.comm.broadcast_object(p.members != p.urls):
+            p.catch_up(self.state.version)
         self.publisher.close()
         if self.ledger is not None:
             self.ledger.close()

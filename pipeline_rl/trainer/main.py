@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
         prog="pipeline-rl train", description="One trainer rank (run under accelerate launch)."
     )
     parser.add_argument("--config", required=True, help="RUN/config.json written by the launcher")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume from the newest checkpoint whatever trainer.resume says (the launcher's restart)",
+    )
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
@@ -88,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline_rl.trainer.loop import run
 
     cfg = load_run_config(args.config)
+    if args.resume:
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"resume": True})})
     try:
         state = run(cfg, stop)
     except BaseException as e:

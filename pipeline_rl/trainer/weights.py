@@ -250,6 +250,23 @@ class WeightPublisher:
         self.rebuild_seconds += took
         log.info("weight group formed again with %s in %.2fs", members, took)
 
+    def catch_up(self, version: int) -> None:
+        """At the end of the run (collective): servers outside the group that answer within
+        inference.startup_timeout_s (a restart takes that long at most) rejoin and get `version`, so
+        every live server ends on the final weights."""
+        if not self.enabled:
+            return
+        if self.comm.is_main and self.sender is not None and len(self.members) < len(self.urls):
+            deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
+            while len(self.members) < len(self.urls) and time.monotonic() < deadline:
+                before = len(self.members)
+                self._next_rejoin_check = 0.0
+                self._admit_returning()
+                if len(self.members) == before:
+                    time.sleep(1.0)
+            log.info("end of run: %d of %d server(s) in the weight group", len(self.members), len(self.urls))
+        self.push(version, restore=True)  # members that already hold it load it again: cheap, and simple
+
     def membership_metrics(self) -> dict[str, float]:
         """For the trainer's metrics line: servers in the group, ejections, rejoins, rebuild time."""
         return {
