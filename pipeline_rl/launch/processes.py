@@ -72,8 +72,18 @@ class Child:
     def start(self, base_env: dict[str, str]) -> None:
         env = {**base_env, **self.spec.env, **self.spec.secret_env, "PYTHONUNBUFFERED": "1"}
         # Appended: a resumed run keeps the earlier runs' output in the same log.
-        self.proc = procs.start_child(self.spec.full_argv(), env=env, log_path=self.log_path)
+        self.proc = procs.start_child(
+            self.spec.full_argv(), env=env, log_path=self.log_path, death_signal=self.death_signal
+        )
         self.started_at = time.monotonic()
+
+    @property
+    def death_signal(self) -> int:
+        """What the kernel sends this child when the launcher dies (killed hard: no orderly shutdown).
+        A server gets SIGTERM, so it stops its engine processes itself (uvicorn's shutdown takes ~5 s);
+        everything else SIGKILL: an actor's or preprocessor's graceful stop would wait for servers and
+        Redis that die with the launcher, and their ledgers and streams are built for kill -9."""
+        return signal.SIGTERM if self.spec.role == "servers" else signal.SIGKILL
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
