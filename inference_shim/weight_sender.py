@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_shim.client import ShimClient, ShimError
+from inference_shim.faults import fault_point
 from inference_shim.protocol import (
     DEFAULT_BUCKET_BYTES,
     InitProcessGroupRequest,
@@ -317,6 +318,7 @@ class WeightSender:
                 # Bucket i uses relay slot i % 2, matching the alternating pack buffers: a buffer is
                 # repacked only after the send that used it was waited on.
                 send = BucketSend(group, packed, self.fanout, request.fanout_chunk_bytes, slot=i % 2)
+                fault_point("sender.broadcast")  # chaos tests: the sender dies with a bucket on the wire
                 if in_flight is not None:
                     in_flight[0].wait(f"sending bucket {in_flight[1]} of version {version}")
                 in_flight = (send, i)

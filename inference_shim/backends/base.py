@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, validate_update
 from inference_shim.backends.join import JoinPhase, join_failure_detail, join_phase, short, store_timeout
+from inference_shim.faults import fault_point
 from inference_shim.protocol import (
     Bucket,
     Capabilities,
@@ -265,6 +266,7 @@ class Backend(abc.ABC):
         paused = applying = False
         try:
             await self._wait_received(req, result)
+            fault_point("server.received")  # chaos tests: the server dies between receive and apply
             paused_at = time.perf_counter()
             deadline = time.monotonic() + req.timeout_s  # the contract's "then again for applying"
             paused = self.paused = True

@@ -60,6 +60,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from inference_shim.faults import fault_point
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.strategies import Strategy
 
@@ -266,6 +267,7 @@ def save(
 
 def _publish(root: Path, tmp: Path, final: Path, step: int) -> None:
     """fsync tmp's tree, add the manifest, rename tmp -> final durably, verify final (rank 0)."""
+    fault_point("checkpoint.write")  # chaos tests: die with the files written, nothing published
     sizes = _sync_tree(tmp)
     with open(tmp / MANIFEST, "w") as f:
         json.dump({"step": step, "files": sizes}, f)
