@@ -6,20 +6,25 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-unit test-integration test-fast demo bench lint format
+.PHONY: setup test test-unit test-integration test-long test-fast demo bench lint format
 
 setup:
 	bash scripts/setup.sh
 
 # Both suites: tests/unit (no servers, seconds) then tests/integration (real vLLM-CPU, Redis, gloo).
 test: setup
-	$(PY) -m pytest -q --timeout=900 tests/unit tests/integration
+	$(PY) -m pytest -q --timeout=900 -m "not long" tests/unit tests/integration
 
 test-unit: setup
 	$(PY) -m pytest -q --timeout=120 tests/unit
 
 test-integration: setup
-	$(PY) -m pytest -q --timeout=900 tests/integration
+	$(PY) -m pytest -q --timeout=900 -m "not long" tests/integration
+
+# Single-fault recovery runs (server killed, server stopped, trainer killed), which the chaos test in
+# `make test` also covers; minutes each.
+test-long: setup
+	$(PY) -m pytest -q --timeout=900 -m long tests/integration
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests

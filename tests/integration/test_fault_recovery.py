@@ -8,6 +8,9 @@ steps, every server ends on the trainer's final weights (greedy logprobs equal a
 forward pass of the final checkpoint, <= 1e-3), the ledger balances with no sample trained twice, and
 no process of the run is left. A SIGKILLed launcher takes every process of its run with it.
 
+The three single-fault runs are marked `long` (about 6 minutes together): `make test` leaves them out,
+because tests/integration/test_chaos.py causes all of these faults in one run; `make test-long` runs them.
+
     .venv/bin/python -m pytest -q tests/integration/test_fault_recovery.py
 """
 
@@ -103,7 +106,7 @@ def trainer_log(run_dir: Path) -> str:
     return (run_dir / "logs" / "trainer.log").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_killed_server_is_ejected_restarted_and_rejoins(tiny_model, tmp_path):
     run_dir, steps = tmp_path / "run", SERVER_FAULT_STEPS
     proc, port = start_run(tiny_model, run_dir, f"trainer.max_steps={steps}")
@@ -121,7 +124,7 @@ def test_killed_server_is_ejected_restarted_and_rejoins(tiny_model, tmp_path):
     assert_clean_finish(proc, output, run_dir, steps)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_stopped_server_is_ejected_within_the_push_deadline_and_rejoins_when_continued(tiny_model, tmp_path):
     run_dir, steps = tmp_path / "run", SERVER_FAULT_STEPS
     proc, port = start_run(tiny_model, run_dir, f"trainer.max_steps={steps}")
@@ -146,7 +149,7 @@ def test_stopped_server_is_ejected_within_the_push_deadline_and_rejoins_when_con
     assert_clean_finish(proc, output, run_dir, steps)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_killed_trainer_resumes_from_its_checkpoint(tiny_model, tmp_path):
     run_dir, steps = tmp_path / "run", 12
     proc, port = start_run(tiny_model, run_dir, f"trainer.max_steps={steps}", "trainer.checkpoint_every=3")
