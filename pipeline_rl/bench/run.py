@@ -7,6 +7,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
     pipeline-rl bench streams              # 4. per-sample cost of the stream path vs raw Redis
     pipeline-rl bench shim                 # 5. shim vs vLLM's own OpenAI server, 1/8/64 concurrent
     pipeline-rl bench multihost            # 6. push fan-out to 1/2/4 simulated hosts over shaped links (root)
+    pipeline-rl bench recovery             # 7. per fault kind: recovery time, throughput dip, samples lost
     pipeline-rl bench all                  # every one, in that order, sharing servers
     pipeline-rl bench inflight streams     # several, sharing servers
     pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
@@ -60,6 +61,12 @@ def _multihost(ctx: BenchContext) -> dict:
     return multihost.run(ctx)
 
 
+def _recovery(ctx: BenchContext) -> dict:
+    from pipeline_rl.bench import recovery
+
+    return recovery.run(ctx)
+
+
 def _pipeline_vs_sync(ctx: BenchContext) -> dict:
     from pipeline_rl.bench import pipeline_vs_sync
 
@@ -73,6 +80,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "streams": _streams,
     "shim": _shim,
     "multihost": _multihost,
+    "recovery": _recovery,
 }
 
 
