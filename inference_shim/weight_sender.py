@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
 import torch
 
 from inference_shim.client import ShimClient, ShimError
@@ -68,6 +69,11 @@ from inference_shim.wires import (
 )
 
 log = logging.getLogger("inference_shim.weight_sender")
+
+# While waiting for results: look at the missing servers every RESULT_SLICE_S, each probe bounded by
+# LIVENESS_S (an engine busy applying still answers /health: its HTTP loop is free).
+RESULT_SLICE_S = 1.0
+LIVENESS_S = 3.0
 
 FetchFn = Callable[[list[int]], list[torch.Tensor]]
 
@@ -340,6 +346,36 @@ class WeightSender:
             results=results,
         )
 
+    def _wait_results(self, version: int, keys: dict[str, str]) -> None:
+        """Wait for every result key until the deadline, in slices: between them, a server whose key is
+        missing and whose /health does not answer at all (killed, stopped, cut off) fails the push at
+        once, naming it, instead of at the deadline. A server that answers is only slow: waited for."""
+        store = self.group.store
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                store.wait(list(keys.values()), dt.timedelta(seconds=max(0.001, min(RESULT_SLICE_S, left))))
+                return
+            except Exception:
+                missing = [url for url, key in keys.items() if not store.check([key])]
+            if time.monotonic() >= deadline:
+                raise WeightPushError(
+                    f"no result for version {version} within {self.timeout_s:.0f}s from: {missing} (server down or stuck?)",
+                    missing,
+                ) from None
+            silent = [
+                url
+                for url, alive in zip(missing, self._pool.map(answers_http, missing), strict=True)
+                if not alive
+            ]
+            if silent:
+                raise WeightPushError(
+                    f"no result for version {version} from {silent}, which no longer answer HTTP (down, "
+                    "stopped or cut off)",
+                    silent,
+                )
+
     def _decide(self, group: WeightGroup, update_id: str, decision: str) -> None:
         key = decision_key(self.group_name, update_id)
         group.store.set(key, sign_value(self._token, key, decision))
@@ -357,14 +393,7 @@ class WeightSender:
     def _collect_results(self, version: int, update_id: str) -> list[UpdateResult]:
         store = self.group.store
         keys = {url: result_key(self.group_name, update_id, url) for url in self.server_urls}
-        try:
-            store.wait(list(keys.values()), dt.timedelta(seconds=self.timeout_s))
-        except Exception:
-            silent = [url for url, key in keys.items() if not store.check([key])]
-            raise WeightPushError(
-                f"no result for version {version} within {self.timeout_s:.0f}s from: {silent} (server down or stuck?)",
-                silent,
-            ) from None
+        self._wait_results(version, keys)
         results, forged = [], {}
         for url, key in keys.items():
             try:
@@ -405,6 +434,15 @@ def leave_weight_group(client: ShimClient, deadline: float, poll_s: float = 0.5)
             if e.error != "update_in_progress" or time.monotonic() > deadline:
                 raise
         time.sleep(poll_s)
+
+
+def answers_http(url: str) -> bool:
+    """Whether a server answers GET /health at all (any status) within LIVENESS_S."""
+    try:
+        httpx.get(f"{url}/health", timeout=LIVENESS_S)
+        return True
+    except httpx.HTTPError:
+        return False
 
 
 def _try(fn):

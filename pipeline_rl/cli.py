@@ -5,6 +5,7 @@
     pipeline-rl launch [key=value ...]                       a whole run (see README)
     pipeline-rl demo                                         the CPU demo
     pipeline-rl bench NAME                                   benchmarks (pipeline_rl/bench/)
+    pipeline-rl fleet list|add|remove [URL] --run-dir RUN    servers of a running job
     pipeline-rl actor|preprocess|train --config RUN/config.json ...   one process (launcher uses these)
     pipeline-rl --help
 
@@ -90,6 +91,10 @@ PASSTHROUGH = {
     "bench": (
         "benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim",
         "pipeline_rl.bench.run:main",
+    ),
+    "fleet": (
+        "list, add or remove the servers of a running job",
+        "pipeline_rl.launch.fleet_route:main",
     ),
     "report": (
         "summary, sample ledger and plots of a run directory (finished or running)",

@@ -35,6 +35,7 @@ from pipeline_rl.actor.errors import ActorError, TrainerStalled
 from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
 from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
 from pipeline_rl.config import RunConfig
+from pipeline_rl.fleet import FleetWatch
 from pipeline_rl.ledger import LedgerWriter
 from pipeline_rl.messages import RolloutGroup, Sample, StatsRecord
 from pipeline_rl.streams import ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
@@ -94,6 +95,7 @@ class Actor:
         self.stats = make_writer(cfg.streams, STATS)
         self.write_lock = asyncio.Lock()
         clients = [AsyncShimClient(u, cfg.inference.token, a.request_timeout_s) for u in cfg.inference.urls]
+        self.fleet = FleetWatch(cfg.run_dir, cfg.inference.urls)
         self.router = Router(
             [Server(i, c.base_url, c) for i, c in enumerate(clients)],
             cap=a.max_in_flight_per_server,
@@ -359,7 +361,25 @@ class Actor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.probe_now.wait(), self.cfg.actor.health_probe_interval_s)
             self.probe_now.clear()
-            await asyncio.gather(*(self._probe(s) for s in self.router.servers if not s.healthy))
+            self._follow_fleet()
+            await asyncio.gather(
+                *(self._probe(s) for s in self.router.servers if not s.healthy and not s.removed)
+            )
+
+    def _follow_fleet(self) -> None:
+        """Servers added to or removed from the job (pipeline_rl/fleet.py)."""
+        urls = self.fleet.poll()
+        if urls is None:
+            return
+        known = {s.url for s in self.router.servers if not s.removed}
+        for url in urls:
+            if url not in known:
+                client = AsyncShimClient(url, self.cfg.inference.token, self.cfg.actor.request_timeout_s)
+                self.router.add(Server(len(self.router.servers), client.base_url, client))
+                logger.info("server %s added to the job", url)
+        for url in known - set(urls):
+            self.router.remove(url)
+            logger.info("server %s removed from the job", url)
 
     async def _stats_loop(self) -> None:
         while True:

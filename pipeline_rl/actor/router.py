@@ -33,6 +33,7 @@ class Server:
     in_flight: int = 0
     assigned: int = 0
     failures: int = 0
+    removed: bool = False  # taken out of the job (fleet.json): never picked or probed again
 
 
 class Router:
@@ -47,7 +48,7 @@ class Router:
         self._all_down_since: float | None = None if any(s.healthy for s in servers) else time.monotonic()
 
     def pick(self) -> Server | None:
-        candidates = [s for s in self.servers if s.healthy and s.in_flight < self.cap]
+        candidates = [s for s in self.servers if s.healthy and not s.removed and s.in_flight < self.cap]
         # Ties go to the server given the least work so far, so idle servers share the load evenly.
         return min(candidates, key=lambda s: (s.in_flight, s.assigned), default=None)
 
@@ -78,6 +79,17 @@ class Router:
             self._changed.clear()  # no await since pick(): no release can slip in between
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(left, POLL_S))
+
+    def add(self, server: Server) -> None:
+        """A server added to the job: unhealthy until a probe finds it serving recent enough weights."""
+        server.healthy = False
+        self.servers.append(server)
+
+    def remove(self, url: str) -> None:
+        for server in self.servers:
+            if server.url == url:
+                server.removed, server.healthy = True, False
+        self._changed.set()
 
     def release(self, server: Server) -> None:
         server.in_flight -= 1

@@ -70,9 +70,11 @@ class RunEvaluations:
         self._thread: threading.Thread | None = None
 
     def measure(self) -> dict:
+        from pipeline_rl.fleet import read_fleet
+
         e, inference = self.cfg.eval, self.cfg.inference
         errors = []
-        for url in inference.urls:
+        for url in read_fleet(self.run_dir) or inference.urls:
             try:
                 return evaluate_server(url, self.cfg.task, e.num_problems, e.max_tokens, inference.token)
             except Exception as err:  # the next server may answer

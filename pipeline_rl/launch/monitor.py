@@ -7,6 +7,7 @@ Everything read from the streams is also appended to <run_dir>/stats.jsonl, whic
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import time
@@ -128,20 +129,51 @@ def _fmt(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def serve_status(port: int, snapshot: Callable[[], dict]) -> ThreadingHTTPServer:
-    """Start `GET /status` on 127.0.0.1:port in a daemon thread; returns the server (call .shutdown())."""
+def serve_status(
+    port: int,
+    snapshot: Callable[[], dict],
+    change_servers: Callable[[dict], tuple[int, dict]] | None = None,
+    token: str | None = None,
+) -> ThreadingHTTPServer:
+    """Start `GET /status` (and `POST /servers`, which needs the run's token: it changes the job) on
+    127.0.0.1:port in a daemon thread; returns the server (call .shutdown())."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path.rstrip("/") not in ("/status", ""):
-                self.send_error(404, "try GET /status")
-                return
-            body = json.dumps(snapshot(), indent=2, default=str).encode()
-            self.send_response(200)
+        def _answer(self, code: int, payload: dict) -> None:
+            body = json.dumps(payload, indent=2, default=str).encode()
+            self.send_response(code)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path.rstrip("/") not in ("/status", ""):
+                self._answer(404, {"error": "not_found", "detail": "try GET /status"})
+                return
+            self._answer(200, snapshot())
+
+        def do_POST(self):
+            if self.path.rstrip("/") != "/servers" or change_servers is None:
+                self._answer(404, {"error": "not_found", "detail": "POST /servers only"})
+                return
+            sent = self.headers.get("authorization", "")
+            if token and not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                self._answer(
+                    401, {"error": "unauthorized", "detail": "send the run's token as a Bearer token"}
+                )
+                return
+            try:
+                length = int(self.headers.get("content-length") or 0)
+                if not 0 < length <= 4096:
+                    raise ValueError("a JSON body of at most 4096 bytes")
+                body = json.loads(self.rfile.read(length))
+                if not isinstance(body, dict):
+                    raise ValueError("a JSON object")
+            except ValueError as e:
+                self._answer(400, {"error": "invalid_request", "detail": f"expected {e}"})
+                return
+            self._answer(*change_servers(body))
 
         def log_message(self, *args):
             pass
@@ -180,3 +212,11 @@ def final_server_states(urls: list[str], api_key: str | None = None) -> list[dic
         except (httpx.HTTPError, KeyError, ValueError) as e:
             states.append({"url": url, "error": f"{type(e).__name__}: {e}"})
     return states
+
+
+def record_servers_final(urls: list[str], run_dir: Path) -> None:
+    """final_server_states -> <run_dir>/servers_final.json, and one line on stdout."""
+    states = final_server_states(urls)
+    (run_dir / "servers_final.json").write_text(json.dumps(states, indent=2) + "\n")
+    versions = {s["url"]: s.get("weight_version", s.get("error")) for s in states}
+    print(f"servers at the end: {versions}", flush=True)

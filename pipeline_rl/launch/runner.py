@@ -38,8 +38,11 @@ import httpx
 
 from inference_shim.procs import wait_healthy
 from pipeline_rl.config import RunConfig, public_config, secret_fields
+from pipeline_rl.fleet import write_fleet
 from pipeline_rl.launch.cluster import REDIS_LINGER_S, wait_other_clients_off
 from pipeline_rl.launch.evaluate import RunEvaluations
+from pipeline_rl.launch.fleet_route import ServersChange
+from pipeline_rl.launch.monitor import record_servers_final
 from pipeline_rl.launch.plan import NodeShare, plan, print_plan
 from pipeline_rl.launch.processes import (
     Child,
@@ -58,15 +61,6 @@ from pipeline_rl.launch.supervision import (
 )
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
-
-
-def _has_checkpoint(run_dir: Path) -> bool:
-    from pipeline_rl.trainer.checkpoint import checkpoints_root
-
-    root = checkpoints_root(run_dir)
-    return root.is_dir() and any(
-        p.name.startswith("step_") and not p.name.endswith(".tmp") for p in root.iterdir()
-    )
 
 
 class PeerMissing(RuntimeError):
@@ -91,8 +85,11 @@ class Launcher:
         self.monitor_closed = False
         self.supervisor = Supervisor(cfg.supervision)
         self.env: dict[str, str] = {}  # the children's base environment, kept for their restarts
+        self.servers_change = ServersChange(self)
         # Resuming from a checkpoint: servers must not serve the start-up weights before the restore push.
-        self.resuming = cfg.trainer.resume and _has_checkpoint(Path(cfg.run_dir))
+        from pipeline_rl.trainer.checkpoint import has_checkpoint  # torch: only now
+
+        self.resuming = cfg.trainer.resume and has_checkpoint(Path(cfg.run_dir))
 
     def _on_signal(self, signum, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name
@@ -170,14 +167,23 @@ class Launcher:
         if self.share.cluster and self.redis is None and cfg.streams.backend == "redis":
             self._wait_redis()  # the monitor reads the streams from the start
         self.monitor = RunMonitor(cfg, self.run_dir)
-        self.status_server = serve_status(status_port, self._status)
+        if self.share.trainer or not self.share.cluster:  # the node whose trainer follows fleet.json
+            write_fleet(self.run_dir, cfg.inference.urls)
+        self.status_server = serve_status(
+            status_port, self._status, self.servers_change.handle, cfg.inference.token
+        )
+        (self.run_dir / "status_port").write_text(f"{status_port}\n")
         return specs
 
     def _status(self) -> dict:
+        status = self.monitor.status(self.children)
+        trainer = status["latest_stats"].get("trainer", {})
+        membership = ("servers_in_group", "servers_ejected_total", "servers_rejoined_total")
         return {
-            **self.monitor.status(self.children),
+            **status,
             "restarts": self.supervisor.restarts_by_role(),
             "restarts_per_process": dict(self.supervisor.restarts),
+            "weight_group": {k: trainer.get(k) for k in membership},  # as of the trainer's last step
         }
 
     def _wait_redis(self) -> None:
@@ -286,7 +292,7 @@ class Launcher:
             if trainer is not None and trainer.poll() == 0:
                 self._poll_streams()
                 print(f"trainer finished ({self.monitor.version} steps)", flush=True)
-                self._record_servers_final()
+                record_servers_final(self.servers_change.urls(), self.run_dir)
                 return 0
             failed = self._check_processes()
             if failed is not None:
@@ -311,23 +317,16 @@ class Launcher:
                 # Stop reading the streams so that the Redis node can end; the servers stay up.
                 self._close_streams()
                 print("servers keep serving until this launcher is stopped (Ctrl-C / SIGTERM)", flush=True)
+            self.servers_change.retire_removed()
             if self.cfg.eval.every_s and time.monotonic() - last_eval >= self.cfg.eval.every_s:
                 if self.share.evaluates:
                     self.evals.start_periodic()
                 last_eval = time.monotonic()
             if time.monotonic() - last_progress >= self.progress_every_s:
-                self.monitor.poll_servers(self.cfg.inference.urls)
+                self.monitor.poll_servers(self.servers_change.urls())
                 print(self.monitor.progress_line(), flush=True)
                 last_progress = time.monotonic()
             time.sleep(0.5)
-
-    def _record_servers_final(self) -> None:
-        from pipeline_rl.launch.monitor import final_server_states
-
-        states = final_server_states(self.cfg.inference.urls)
-        (self.run_dir / "servers_final.json").write_text(json.dumps(states, indent=2) + "\n")
-        versions = {s["url"]: s.get("weight_version", s.get("error")) for s in states}
-        print(f"servers at the end: {versions}", flush=True)
 
     def _check_processes(self) -> int | None:
         """Schedule the restart of each restartable process that died and perform those that are due;
@@ -351,7 +350,9 @@ class Launcher:
             )
         by_name = {unit.name: unit for unit in units}
         for name in self.supervisor.due():
-            unit = by_name[name]
+            unit = by_name.get(name)
+            if unit is None:  # removed from the job while its restart waited
+                continue
             if isinstance(unit, RedisUnit):
                 if not self._restart_redis():
                     return self._fail(unit, "could not be restarted")

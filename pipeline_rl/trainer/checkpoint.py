@@ -142,6 +142,11 @@ def verify(path: Path) -> TrainerState:
     return state
 
 
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether a published checkpoint directory exists (verified only when loaded: latest_checkpoint)."""
+    return bool(_step_dirs(checkpoints_root(run_dir)))
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The checkpoint to resume from: the newest that verifies, skipping (and logging) those that do not.
 

@@ -17,7 +17,7 @@ push() at the same point of the loop):
 Membership (rank 0; trainer.eject_failed_servers, on by default). torch.distributed groups have a fixed
 size, so the set of servers changes only when a group forms (the choice and its cost: docs/decisions.md
 "Servers that fail, rejoin, join"):
-  eject:   a push fails -> every member is probed (GET /health, short deadline); those that do not
+  eject:   a push fails -> every member is probed (GET /health, 3 s: weight_sender.answers_http); those that do not
            answer (killed, stopped, cut off) leave the membership, the others form a new group and get
            the same version again (restore: some may hold it already). No trainer restart; the lag gate
            and the actors' version check keep anyone from sampling the ejected server's old weights.
@@ -36,12 +36,18 @@ from __future__ import annotations
 import logging
 import time
 
-import httpx
 import torch
 
 from inference_shim.client import ShimClient, ShimError
-from inference_shim.weight_sender import PushReport, WeightPushError, WeightSender, leave_weight_group
+from inference_shim.weight_sender import (
+    PushReport,
+    WeightPushError,
+    WeightSender,
+    answers_http,
+    leave_weight_group,
+)
 from pipeline_rl.config import RunConfig
+from pipeline_rl.fleet import FleetWatch
 from pipeline_rl.trainer.dist import Comm, RankFailure
 from pipeline_rl.trainer.model import weight_metas
 from pipeline_rl.trainer.strategies import Strategy
@@ -49,7 +55,6 @@ from pipeline_rl.trainer.strategies import Strategy
 log = logging.getLogger("pipeline_rl.trainer.weights")
 
 _DONE = "done"
-PROBE_S = 3.0  # a member that does not answer /health within this is ejected after a failed push
 REJOIN_RELEASE_S = 5.0  # a returning server still busy with a stale update is retried at the next check
 
 
@@ -58,7 +63,8 @@ class WeightPublisher:
         self.cfg = cfg
         self.strategy = strategy
         self.comm = comm
-        self.urls = list(cfg.inference.urls)
+        self.urls = list(cfg.inference.urls)  # the job's servers (fleet.json may change them)
+        self.fleet = FleetWatch(cfg.run_dir, self.urls)
         self.members = list(self.urls)  # servers of the current weight group (rank 0)
         self.specs = strategy.weight_specs()
         self.sender: WeightSender | None = None
@@ -145,6 +151,7 @@ class WeightPublisher:
             assert tensors is not None
             return tensors
 
+        self._follow_fleet()
         self._admit_returning()
         try:
             report = self.sender.push(version, metas, fetch, restore=restore)
@@ -166,19 +173,11 @@ class WeightPublisher:
         return report
 
     # ------------------------------------------------------------------ membership (rank 0)
-    def _answers(self, url: str) -> bool:
-        """Whether the server answers HTTP at all (any status): dead, stopped or cut-off ones do not."""
-        try:
-            httpx.get(f"{url}/health", timeout=PROBE_S)
-            return True
-        except httpx.HTTPError:
-            return False
-
     def _eject(self, error: WeightPushError, what: str) -> None:
         """After a failed push or join: drop the members that do not answer and re-form the group with
         the rest (waiting for a server when none is left). Raises the error when every member answers
         (not a dead server: retrying cannot help) or when nobody comes back in time."""
-        gone = [u for u in self.members if not self._answers(u)]
+        gone = [u for u in self.members if not answers_http(u)]
         if not gone:
             raise error
         log.warning(
@@ -202,7 +201,7 @@ class WeightPublisher:
         deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
         log.warning("no server left in the weight group: waiting for one to answer")
         while time.monotonic() < deadline:
-            back = self._release([u for u in self.urls if self._answers(u)], REJOIN_RELEASE_S)
+            back = self._release([u for u in self.urls if answers_http(u)], REJOIN_RELEASE_S)
             if back:
                 self.members = back
                 self.rejoined_total += len(back)
@@ -214,12 +213,45 @@ class WeightPublisher:
             self.urls,
         )
 
+    def _follow_fleet(self) -> None:
+        """Servers added to or removed from the job (fleet.json): removed ones leave the group now, added
+        ones are admitted by _admit_returning."""
+        urls = self.fleet.poll()
+        if urls is None:
+            return
+        removed = [u for u in self.members if u not in urls]
+        log.info(
+            "the job's servers are now %s (added %s, removed %s)",
+            urls,
+            [u for u in urls if u not in self.urls],
+            removed,
+        )
+        self.urls = urls
+        self._next_rejoin_check = 0.0
+        if not removed:
+            return
+        self.members = [u for u in self.members if u in urls]
+        for url in removed:  # best effort: a removed server may be gone already
+            client = ShimClient(url, token=self.cfg.inference.token, timeout_s=REJOIN_RELEASE_S)
+            try:
+                leave_weight_group(client, time.monotonic() + REJOIN_RELEASE_S)
+            except Exception as e:
+                log.info("%s (removed) did not leave the weight group: %s", url, e)
+            finally:
+                client.close()
+        if not self.members:
+            self._wait_for_a_server()
+        try:
+            self._rebuild(self.members)
+        except WeightPushError as e:
+            self._eject(e, "re-forming the weight group")
+
     def _admit_returning(self) -> None:
         """At a step boundary: re-form the group with the configured servers that answer again."""
         if len(self.members) == len(self.urls) or time.monotonic() < self._next_rejoin_check:
             return
         self._next_rejoin_check = time.monotonic() + self.cfg.trainer.rejoin_check_s
-        outside = [u for u in self.urls if u not in self.members and self._answers(u)]
+        outside = [u for u in self.urls if u not in self.members and answers_http(u)]
         back = self._release(outside, REJOIN_RELEASE_S)
         if not back:
             return

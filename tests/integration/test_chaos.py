@@ -120,7 +120,8 @@ def test_a_run_survives_every_role_dying(tiny_model, tmp_path, monkeypatch):
     for fault in faults:
         output += _pump(proc, rng.uniform(0.5, 3.0))
         fault()
-    restarts = status(port)["restarts"]
+    final_status = status(port)
+    restarts = final_status["restarts"]
     output = _finish(proc, output, timeout_s=600)
 
     assert fired(faults_dir) == ["checkpoint.write", "sender.broadcast"], output[-4000:]
@@ -130,6 +131,8 @@ def test_a_run_survives_every_role_dying(tiny_model, tmp_path, monkeypatch):
     # Each server fault left a server out of the weight group (ejected by a failed push, or left out by
     # a trainer that restarted meanwhile) and it was re-admitted.
     assert "answer again: the weight group forms again" in trainer_log(run_dir)
+    group = final_status["weight_group"]
+    assert set(group) == {"servers_in_group", "servers_ejected_total", "servers_rejoined_total"}, group
     assert_clean_finish(proc, output, run_dir, STEPS)
     lines = [json.loads(x) for x in (run_dir / "trainer_metrics.jsonl").read_text().splitlines()]
     lags = [(line["lag_min"], line["lag_max"]) for line in lines if "lag_max" in line]
