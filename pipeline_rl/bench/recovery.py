@@ -202,17 +202,34 @@ def measure(run_dir: Path, fault_at: float) -> dict:
         t += GRID_S
     recovery_s = next((at for at, rate in rates_after if rate >= RECOVERED * rate_before), None)
     dip = min(rate for _, rate in rates_after) / rate_before if rates_after and rate_before else None
-    steps = [line["step"] for line in lines]
     ledger = ledger_summary(run_dir)
     return {
         "recovery_s": recovery_s,
         "dip": dip,
-        "steps_redone": len(steps) - len(set(steps)),
+        "steps_redone": steps_redone(run_dir),
         "samples_lost": ledger.generated - ledger.trained - ledger.dropped_total - len(ledger.in_flight),
         "duplicates_trained": len(ledger.duplicates_trained),
         "dropped": dict(ledger.dropped),
         "steps_per_s_before": rate_before,
     }
+
+
+def steps_redone(run_dir: Path) -> int:
+    """Steps trained again after trainer restarts: at each "resume" line of the trainer's ledger (after
+    the first), the steps trained since the checkpoint it resumes from (trainer_metrics.jsonl cannot
+    tell: a resumed trainer truncates it to its checkpoint)."""
+    path = run_dir / "ledger" / "trainer.jsonl"
+    redone, reached = 0, 0
+    for i, raw in enumerate(path.read_text().splitlines() if path.exists() else []):
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            continue  # a torn last line of a killed trainer
+        if row.get("event") == "resume" and i > 0:
+            redone += max(0, reached - int(row["step"]))
+        if row.get("event") == "trained":
+            reached = int(row["step"])
+    return redone
 
 
 def _window_rates(times: list[float]) -> list[float]:

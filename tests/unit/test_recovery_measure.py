@@ -12,11 +12,19 @@ from pipeline_rl.bench.recovery import WINDOW_S, measure
 
 
 def test_recovery_time_dip_and_redone_steps(tmp_path):
-    # 2 steps/s for 20 s, a fault at t=20, nothing until t=30, then 2 steps/s again, redoing steps 31-40.
-    times = [i * 0.5 for i in range(1, 41)] + [30 + i * 0.5 for i in range(1, 41)]
-    steps = list(range(1, 41)) + list(range(31, 71))
+    # 2 steps/s for 20 s, a fault at t=20, nothing until t=30, then 2 steps/s again. The trainer died at
+    # step 40 and resumed from its checkpoint at step 30 (its metrics file was truncated to step 30).
+    times = [i * 0.5 for i in range(1, 31)] + [30 + i * 0.5 for i in range(1, 41)]
+    steps = list(range(1, 31)) + list(range(31, 71))
     lines = [{"step": s, "time": t} for s, t in zip(steps, times, strict=True)]
     (tmp_path / "trainer_metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ledger = [{"event": "resume", "step": 0}]
+    ledger += [{"event": "trained", "step": s, "ids": []} for s in range(1, 41)]
+    ledger += [{"event": "resume", "step": 30}] + [
+        {"event": "trained", "step": s, "ids": []} for s in range(31, 71)
+    ]
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger" / "trainer.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ledger))
     result = measure(tmp_path, fault_at=20.0)
     assert result["steps_per_s_before"] == 2.0
     assert result["steps_redone"] == 10
