@@ -32,7 +32,6 @@ from pipeline_rl.bench.common import (
     ARTIFACTS,
     REPO_ROOT,
     BenchContext,
-    fmt,
     goal_line,
     markdown_table,
     median,
@@ -92,12 +91,12 @@ def run(ctx: BenchContext) -> dict:
         [
             [
                 r["fault"],
-                fmt(r["recovery_s"], 1),
-                fmt(r["dip"], 2),
+                "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f}",
+                "-" if r["dip"] is None else f"{r['dip']:.2f}",
                 r["steps_redone"],
                 r["samples_lost"],
                 r["duplicates_trained"],
-                fmt(r["steps_per_s_before"], 2),
+                f"{r['steps_per_s_before']:.1f}",
             ]
             for r in rows
         ],

@@ -67,7 +67,9 @@ def _redis_pid(launcher_pid: int) -> int:
 
 
 def _port_free(port: int) -> bool:
+    """Nobody listens on it (SO_REUSEADDR: connections of the run left in TIME_WAIT do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

