@@ -184,3 +184,16 @@ class AsyncShimClient:
                     err = StreamError.model_validate(event["error"])
                     raise ShimError(str(response.url), 500, err.type, err.message)
                 yield ChatCompletionChunk.model_validate(event)
+
+
+LIVENESS_S = 3.0
+
+
+def answers_http(url: str, timeout_s: float = LIVENESS_S) -> bool:
+    """Whether a server answers GET /health at all (any status) within timeout_s: a killed, stopped or
+    cut-off server does not; one that is busy, starting or unhealthy does."""
+    try:
+        httpx.get(f"{url}/health", timeout=timeout_s)
+        return True
+    except httpx.HTTPError:
+        return False

@@ -33,10 +33,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 import torch
 
-from inference_shim.client import ShimClient, ShimError
+from inference_shim.client import ShimClient, ShimError, answers_http
 from inference_shim.faults import fault_point
 from inference_shim.protocol import (
     DEFAULT_BUCKET_BYTES,
@@ -70,10 +69,9 @@ from inference_shim.wires import (
 
 log = logging.getLogger("inference_shim.weight_sender")
 
-# While waiting for results: look at the missing servers every RESULT_SLICE_S, each probe bounded by
-# LIVENESS_S (an engine busy applying still answers /health: its HTTP loop is free).
+# While waiting for results: look at the missing servers every RESULT_SLICE_S (an engine busy applying
+# still answers /health: its HTTP loop is free; client.answers_http).
 RESULT_SLICE_S = 1.0
-LIVENESS_S = 3.0
 
 FetchFn = Callable[[list[int]], list[torch.Tensor]]
 
@@ -434,15 +432,6 @@ def leave_weight_group(client: ShimClient, deadline: float, poll_s: float = 0.5)
             if e.error != "update_in_progress" or time.monotonic() > deadline:
                 raise
         time.sleep(poll_s)
-
-
-def answers_http(url: str) -> bool:
-    """Whether a server answers GET /health at all (any status) within LIVENESS_S."""
-    try:
-        httpx.get(f"{url}/health", timeout=LIVENESS_S)
-        return True
-    except httpx.HTTPError:
-        return False
 
 
 def _try(fn):

@@ -17,7 +17,7 @@ push() at the same point of the loop):
 Membership (rank 0; trainer.eject_failed_servers, on by default). torch.distributed groups have a fixed
 size, so the set of servers changes only when a group forms (the choice and its cost: docs/decisions.md
 "Servers that fail, rejoin, join"):
-  eject:   a push fails -> every member is probed (GET /health, 3 s: weight_sender.answers_http); those that do not
+  eject:   a push fails -> every member is probed (GET /health, 3 s: client.answers_http); those that do not
            answer (killed, stopped, cut off) leave the membership, the others form a new group and get
            the same version again (restore: some may hold it already). No trainer restart; the lag gate
            and the actors' version check keep anyone from sampling the ejected server's old weights.
@@ -38,12 +38,11 @@ import time
 
 import torch
 
-from inference_shim.client import ShimClient, ShimError
+from inference_shim.client import ShimClient, ShimError, answers_http
 from inference_shim.weight_sender import (
     PushReport,
     WeightPushError,
     WeightSender,
-    answers_http,
     leave_weight_group,
 )
 from pipeline_rl.config import RunConfig
