@@ -32,6 +32,8 @@ from pipeline_rl.bench.common import ARTIFACTS, DEFAULT_DOC, DEFAULT_IMG_DIR, QU
 
 
 def _weight_sync(ctx: BenchContext) -> dict:
+    if ctx.options.get("hosts"):  # `weight-sync --hosts 1,2,4`: the push across simulated hosts
+        return _multihost(ctx)
     from pipeline_rl.bench import weight_sync
 
     return weight_sync.run(ctx)
@@ -130,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
     g = p.add_argument_group("multihost")
-    g.add_argument("--hosts", default=None, help="numbers of server hosts to push to, e.g. 1,2,4")
+    g.add_argument(
+        "--hosts",
+        default=None,
+        help="numbers of server hosts to push to, e.g. 1,2,4 (weight-sync --hosts runs multihost)",
+    )
     g.add_argument("--rates", default=None, help="link rates (tbf), e.g. 1gbit,10gbit")
     g.add_argument("--chunk-kib", type=int, default=None, help="chunk size of the chain relay")
     g = p.add_argument_group("inflight, streams, shim")
