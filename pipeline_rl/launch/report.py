@@ -124,10 +124,55 @@ def summarize(run_dir: Path, started_at: float, extra: dict) -> dict:
         "lag_max": lag_max,
         "steps_with_mixed_versions": mixed,
         "ledger": _ledger(run_dir),
+        "phase_times": phase_times(trainer),
         **extra,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+# Trainer phases per step, in the order they happen (trainer_metrics.jsonl; docs/trainer.md "Metrics").
+# wait_data_s includes reading and decoding the package; forward_backward_s = collate + forward +
+# backward + batch_metrics (the per-micro-batch phases).
+PHASES = (
+    "wait_data_s",
+    "collate_s",
+    "forward_s",
+    "backward_s",
+    "batch_metrics_s",
+    "optimizer_s",
+    "step_metrics_s",
+    "weight_push_s",
+    "events_s",
+    "checkpoint_s",
+)
+
+
+def phase_times(trainer_rows: list[dict]) -> dict:
+    """Median seconds per step of each phase, and its share of the median step."""
+    import statistics
+
+    out = {}
+    steps = [r["step_s"] for r in trainer_rows if isinstance(r.get("step_s"), int | float)]
+    step_s = statistics.median(steps) if steps else None
+    for name in PHASES:
+        values = [r[name] for r in trainer_rows if isinstance(r.get(name), int | float)]
+        if values:
+            median = statistics.median(values)
+            share = round(median / step_s, 3) if step_s else None
+            out[name] = {"median_s": round(median, 5), "share_of_step": share}
+    if step_s is not None:
+        out["step_s"] = {"median_s": round(step_s, 5), "share_of_step": 1.0}
+    return out
+
+
+def phase_lines(phases: dict) -> list[str]:
+    """The phase table `pipeline-rl report` prints."""
+    lines = ["trainer phases per step (medians):"]
+    for name, v in phases.items():
+        share = "" if v["share_of_step"] is None else f"  {v['share_of_step']:6.1%}"
+        lines.append(f"  {name:<16} {v['median_s'] * 1000:9.1f} ms{share}")
+    return lines
 
 
 def _mean(values) -> float | None:
@@ -159,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     summary_path = args.run_dir / "summary.json"
     if summary_path.exists():
         print(summary_path.read_text().strip())
+    metrics = args.run_dir / "trainer_metrics.jsonl"
+    if metrics.exists():
+        steps = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        print("\n".join(phase_lines(phase_times(steps))))
     print("\n".join(ledger_summary(args.run_dir).lines()))
 
 

@@ -74,7 +74,9 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
         tr.publisher.push(step, restore=tr.restore_next_push)  # 3
         tr.restore_next_push = False
         timings = {"wait_data_s": waited, **result.timings, "weight_push_s": time.perf_counter() - pushed}
+        announced = time.perf_counter()
         tr.announce()  # 4
+        timings["events_s"] = time.perf_counter() - announced
         timings["checkpoint_s"] = tr.checkpoint() if tr.checkpoint_due() else 0.0  # 5
         timings["step_s"] = time.perf_counter() - started
         tr.log_step(package.batch_id, result, timings)

@@ -160,9 +160,13 @@ def train_step(
     """
     sums = _Sums()
     started = time.perf_counter()
+    phase = dict.fromkeys(("collate_s", "forward_s", "backward_s", "batch_metrics_s"), 0.0)
     n = len(package.micro_batches)
     for i, micro_batch in enumerate(package.micro_batches):
+        t0 = time.perf_counter()
         batch = micro_batch_tensors(micro_batch, comm.device)
+        t1 = time.perf_counter()
+        phase["collate_s"] += t1 - t0
         with strategy.micro_step(last=i == n - 1):
             logits, new_lp = forward_logprobs(strategy.model, batch, temperature)
             entropy = token_entropy(logits) if algo.entropy_coef > 0 else None
@@ -182,8 +186,13 @@ def train_step(
                 num_sequences=package.batch_samples,
                 num_tokens=package.batch_tokens,
             )
+            t2 = time.perf_counter()
+            phase["forward_s"] += t2 - t1
             strategy.backward(loss * comm.world)
+        t3 = time.perf_counter()  # DDP's gradient all-reduce of the last micro-batch counts as backward
+        phase["backward_s"] += t3 - t2
         _accumulate(sums, m, new_lp.detach(), logits.detach(), batch, step, need_entropy=entropy is None)
+        phase["batch_metrics_s"] += time.perf_counter() - t3
     backward_done = time.perf_counter()
     grad_norm = strategy.optimizer_step()
     if not math.isfinite(grad_norm):
@@ -219,7 +228,9 @@ def train_step(
         trained_tokens=package.batch_tokens,
         timings={
             "forward_backward_s": backward_done - started,
+            **phase,
             "optimizer_s": optimizer_done - backward_done,
+            "step_metrics_s": time.perf_counter() - optimizer_done,  # the ranks' metrics exchange
         },
     )
 
