@@ -71,7 +71,7 @@ log = logging.getLogger("inference_shim.weight_sender")
 
 # While waiting for results: look at the missing servers every RESULT_SLICE_S (an engine busy applying
 # still answers /health: its HTTP loop is free; client.answers_http).
-RESULT_SLICE_S = 1.0
+RESULT_SLICE_S = 2.0  # (torch logs a warning at each slice that ends before the results: not often)
 
 FetchFn = Callable[[list[int]], list[torch.Tensor]]
 
