@@ -246,29 +246,35 @@ class VllmBackend(Backend):
         )
 
     # ------------------------------------------------------------------ update hooks (base.Backend)
+    async def _rpc(self, method: str, timeout_s: float, args: tuple = (), kwargs: dict | None = None):
+        """collective_rpc on every worker, with the deadline at this end only.
+
+        vLLM's multiprocess executor reads its workers' answers in order: a call that times out in the
+        engine leaves its late answer queued, and the NEXT call takes it (seen after a SIGSTOP: pr_apply's
+        answer handed to pr_discard, pr_discard's to pr_destroy_group, ...). So the engine waits for its
+        workers, and we stop waiting at the deadline; an answer that comes later is dropped with its
+        abandoned call."""
+        call = self.engine.collective_rpc(method, args=args, kwargs=kwargs or {})
+        return await asyncio.wait_for(call, timeout=timeout_s)
+
     async def _join_group(self, req: InitProcessGroupRequest, timeout_s: float) -> list[int]:
         args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend)
-        ranks = await asyncio.wait_for(
-            self.engine.collective_rpc(
-                "pr_init_group",
-                timeout=timeout_s + 5,
-                # The token rides the engine's in-process IPC: worker processes never see it in argv.
-                args=(*args, req.group_name, timeout_s, self.token),
-            ),
-            timeout=timeout_s + 5,
+        # The token rides the engine's in-process IPC: worker processes never see it in argv.
+        ranks = await self._rpc(
+            "pr_init_group", timeout_s + 5, (*args, req.group_name, timeout_s, self.token)
         )
         return list(ranks)
 
     async def _leave_group(self, group: GroupState) -> None:
-        await self.engine.collective_rpc("pr_destroy_group", timeout=30)
+        await self._rpc("pr_destroy_group", 30)
 
     async def _arm_receive(self, req: WeightUpdateRequest) -> None:
         tensors_json = json.dumps([t.model_dump() for t in req.tensors])
-        await self.engine.collective_rpc(
+        await self._rpc(
             "pr_arm_receive",
-            timeout=30,
-            args=(req.version, req.update_id, tensors_json, req.bucket_bytes, req.timeout_s),
-            kwargs={"fanout": req.fanout, "chunk_bytes": req.fanout_chunk_bytes},
+            30,
+            (req.version, req.update_id, tensors_json, req.bucket_bytes, req.timeout_s),
+            {"fanout": req.fanout, "chunk_bytes": req.fanout_chunk_bytes},
         )
 
     async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
@@ -291,7 +297,7 @@ class VllmBackend(Backend):
         await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
 
     async def _apply(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
-        seconds = await self.engine.collective_rpc("pr_apply", timeout=req.timeout_s, args=(req.version,))
+        seconds = await self._rpc("pr_apply", req.timeout_s, (req.version,))
         result.apply_seconds = max(seconds)
 
     async def _set_version_label(self, version: int) -> None:
@@ -309,7 +315,7 @@ class VllmBackend(Backend):
         await self.engine.resume_generation()
 
     async def _discard(self) -> None:
-        await self.engine.collective_rpc("pr_discard", timeout=30)
+        await self._rpc("pr_discard", 30)
 
     async def _abort_in_flight(self) -> None:
         # vLLM ends each aborted request's stream with a final output; generate() then answers 503.

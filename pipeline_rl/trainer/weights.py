@@ -109,7 +109,7 @@ class WeightPublisher:
         except WeightPushError as e:
             if not t.eject_failed_servers:
                 raise
-            self._eject(e, "joining")
+            self._eject(e, "joining", joining=True)
         log.info("weight group joined with %d server(s): %s", len(self.members), self.members)
 
     def push(self, version: int, *, restore: bool = False) -> PushReport | None:
@@ -172,13 +172,16 @@ class WeightPublisher:
         return report
 
     # ------------------------------------------------------------------ membership (rank 0)
-    def _eject(self, error: WeightPushError, what: str) -> None:
-        """After a failed push or join: drop the members that do not answer and re-form the group with
-        the rest (waiting for a server when none is left). Raises the error when every member answers
-        (not a dead server: retrying cannot help) or when nobody comes back in time."""
+    def _eject(self, error: WeightPushError, what: str, joining: bool = False) -> None:
+        """After a failed push or join: drop the members that do not answer (joining: also those that
+        answer but failed to join; they are tried again at the next rejoin check) and re-form the group
+        with the rest (waiting for a server when none is left). Raises the error when nobody is to blame
+        (every member answers: retrying a push cannot help) or when nobody comes back in time."""
         gone = [u for u in self.members if not answers_http(u)]
-        if not gone:
-            raise error
+        if not gone and joining:
+            gone = [u for u in self.members if any(s.startswith(u) for s in error.servers)]
+        if not gone or (joining and len(gone) == len(self.members) and all(map(answers_http, gone))):
+            raise error  # nobody to blame, or every member answers yet none can join: a restart may help
         log.warning(
             "%s failed (%s): ejecting %s (not answering); going on with %s",
             what,
@@ -194,7 +197,7 @@ class WeightPublisher:
         try:
             self._rebuild(self.members)
         except WeightPushError as e:  # another one failed meanwhile: each round ejects at least one
-            self._eject(e, "re-forming the weight group")
+            self._eject(e, "re-forming the weight group", joining=True)
 
     def _wait_for_a_server(self) -> None:
         deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
@@ -259,7 +262,7 @@ class WeightPublisher:
         try:
             self._rebuild(self.members)
         except WeightPushError as e:
-            self._eject(e, "re-forming the weight group")
+            self._eject(e, "re-forming the weight group", joining=True)
         self.rejoined_total += len([u for u in back if u in self.members])
 
     def _release(self, urls: list[str], timeout_s: float) -> list[str]:
