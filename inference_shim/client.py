@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -197,3 +198,21 @@ def answers_http(url: str, timeout_s: float = LIVENESS_S) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def leave_weight_group(client: ShimClient, deadline: float, poll_s: float = 0.5) -> bool:
+    """Ask a server to leave its weight group; False if it was in none.
+
+    A server still finishing an update of the old group answers 409 update_in_progress until that update
+    fails on its own deadline: retry until the monotonic `deadline`, then raise the ShimError.
+    """
+    while True:
+        try:
+            client.destroy_process_group()
+            return True
+        except ShimError as e:
+            if e.error == "no_process_group":
+                return False
+            if e.error != "update_in_progress" or time.monotonic() > deadline:
+                raise
+        time.sleep(poll_s)

@@ -30,12 +30,12 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
-from inference_shim.client import ShimClient, ShimError, answers_http
+from inference_shim.client import ShimClient, ShimError, answers_http, leave_weight_group
 from inference_shim.faults import fault_point
 from inference_shim.protocol import (
     DEFAULT_BUCKET_BYTES,
@@ -290,7 +290,7 @@ class WeightSender:
             restore=restore,
             fanout=self.fanout,
         )
-        answers = list(self._pool.map(lambda c: _try(lambda: c.request_weight_update(request)), self.clients))
+        answers = self._request_all(request)
         refused = [
             f"{url}: {err}"
             for url, (_, err) in zip(self.server_urls, answers, strict=True)
@@ -343,6 +343,30 @@ class WeightSender:
             total_seconds=time.perf_counter() - start,
             results=results,
         )
+
+    def _request_all(self, request: WeightUpdateRequest) -> list[tuple[object, str | None]]:
+        """POST /request_weight_update to every server in parallel: (answer, error) per server. Waits in
+        slices; once a server still silent has a silent /health too (stopped, cut off), it counts as
+        refused at once rather than at the HTTP timeout (its call times out alone; the push is aborted,
+        so servers that did accept see "abort"). Servers still answering are then reported as (None, None)."""
+        futures = [
+            self._pool.submit(_try, lambda c=c: c.request_weight_update(request)) for c in self.clients
+        ]
+        while True:
+            _, pending = wait(futures, timeout=RESULT_SLICE_S)
+            if not pending:
+                return [f.result() for f in futures]
+            silent = {
+                f
+                for url, f in zip(self.server_urls, futures, strict=True)
+                if f in pending and not answers_http(url)
+            }
+            if silent:
+                down = "no answer: down, stopped or cut off (its /health is silent too)"
+                return [
+                    (None, down) if f in silent else (None, None) if f in pending else f.result()
+                    for f in futures
+                ]
 
     def _wait_results(self, version: int, keys: dict[str, str]) -> None:
         """Wait for every result key until the deadline, in slices: between them, a server whose key is
@@ -414,24 +438,6 @@ class WeightSender:
                 [r.server_id for r in failed],
             )
         return results
-
-
-def leave_weight_group(client: ShimClient, deadline: float, poll_s: float = 0.5) -> bool:
-    """Ask a server to leave its weight group; False if it was in none.
-
-    A server still finishing an update of the old group answers 409 update_in_progress until that update
-    fails on its own deadline: retry until the monotonic `deadline`, then raise the ShimError.
-    """
-    while True:
-        try:
-            client.destroy_process_group()
-            return True
-        except ShimError as e:
-            if e.error == "no_process_group":
-                return False
-            if e.error != "update_in_progress" or time.monotonic() > deadline:
-                raise
-        time.sleep(poll_s)
 
 
 def _try(fn):

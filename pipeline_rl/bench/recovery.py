@@ -103,6 +103,8 @@ def run(ctx: BenchContext) -> dict:
     )
     lost = sum(abs(r["samples_lost"]) + r["duplicates_trained"] for r in rows)
     intro = __doc__.split("\n\n", 2)[2]
+    for name in ("CHECKPOINT_EVERY", "WARM_STEPS", "PUSH_TIMEOUT_S", "WINDOW_S", "RECOVERED"):
+        intro = intro.replace(name, f"{name.lower()}={globals()[name]}")
     goals = [
         goal_line(
             "no sample lost or trained twice under any fault",

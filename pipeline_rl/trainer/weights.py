@@ -38,12 +38,11 @@ import time
 
 import torch
 
-from inference_shim.client import ShimClient, ShimError, answers_http
+from inference_shim.client import ShimClient, ShimError, answers_http, leave_weight_group
 from inference_shim.weight_sender import (
     PushReport,
     WeightPushError,
     WeightSender,
-    leave_weight_group,
 )
 from pipeline_rl.config import RunConfig
 from pipeline_rl.fleet import FleetWatch
