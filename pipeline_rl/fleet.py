@@ -8,7 +8,7 @@ actors re-read, so a server can be added to or removed from a running job.
 `pipeline-rl fleet add|remove|list` (or curl against the launcher's `POST /servers`) changes it. The
 trainer re-forms its weight group with the new list at a step boundary (an added server is admitted like
 one coming back: it leaves any stale group and gets the current weights with the next push; a removed one
-leaves the group); the actors route to added servers once their version is within actor.max_lag, and stop
+leaves the group); the actors route to added servers once the trainer's version events name them, and stop
 sending to removed ones. Without the file (a run not started by the launcher) the config's list holds.
 """
 

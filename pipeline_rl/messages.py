@@ -91,6 +91,11 @@ class WeightVersionEvent(BaseModel):
     step: int
     samples_consumed: int = Field(description="Training samples consumed in total (all ranks) so far.")
     groups_consumed: int = 0
+    servers: list[str] | None = Field(
+        default=None,
+        description="The servers this version was pushed to (the weight group); actors send requests only "
+        "to these. None: not said (every server).",
+    )
     time: float = Field(default_factory=time.time)
 
 

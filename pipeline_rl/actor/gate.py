@@ -102,11 +102,13 @@ class TrainerProgress:
     version: int = 0
     groups_trained: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    servers: list[str] | None = None  # the servers that hold `version` (None: not said, every one)
 
     def apply(self, message: Any) -> None:
         # Latest, not max: a trainer restored from a checkpoint rewinds both, and re-reads what follows.
         if isinstance(message, WeightVersionEvent):
             self.version, self.groups_trained = message.version, message.groups_consumed
+            self.servers = message.servers
         elif isinstance(message, PreprocessorProgress):
             self.dropped[message.preprocessor_id] = message.groups_dropped
 

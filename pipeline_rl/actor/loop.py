@@ -311,16 +311,12 @@ class Actor:
                 continue
             finally:
                 self.router.release(server)
-            completions = completions_of(response, n, server.url)
-            newest = max(span.version for c in completions for span in c.spans) if completions else None
-            if newest is not None and newest < self._oldest_usable_version():
-                # Left behind (ejected from the weight group): no more requests until it caught up. This
+            if not self._in_weight_group(server):
+                # Left out of the weight group (ejected): no more requests until it is back in. This
                 # answer is kept; the trainer drops samples that are too old when it trains.
-                self.router.mark_failed(
-                    server, f"serves version {newest}, behind the trainer's {self.progress.version}"
-                )
+                self.router.mark_failed(server, "not in the trainer's weight group any more")
                 self.probe_now.set()
-            return completions
+            return completions_of(response, n, server.url)
 
     # -- background ---------------------------------------------------------------------------------
     async def _read_events(self, reader, block_s: float) -> None:
@@ -337,22 +333,21 @@ class Actor:
         while True:
             await self._read_events(reader, block_s=0.5)
 
-    def _oldest_usable_version(self) -> int:
-        """A server serving weights older than this would only produce samples the trainer drops."""
-        return self.progress.version - self.cfg.actor.max_lag
+    def _in_weight_group(self, server: Server) -> bool:
+        """Whether the trainer's last event lists this server among those holding its version: one left
+        out (ejected, restarting, not yet admitted) serves old weights whose samples would be dropped."""
+        servers = self.progress.servers
+        return servers is None or server.url in servers
 
     async def _probe(self, server: Server) -> None:
         try:
-            health = await server.client.health()
-            healthy = health.status == "ok" and health.weight_version >= self._oldest_usable_version()
+            healthy = (await server.client.health()).status == "ok" and self._in_weight_group(server)
         except (httpx.HTTPError, ShimError, ValueError):
             healthy = False
         if healthy:
             self.router.mark_healthy(server)
         elif server.healthy:
-            self.router.mark_failed(
-                server, f"/health did not answer ok with a version >= {self._oldest_usable_version()}"
-            )
+            self.router.mark_failed(server, "/health not ok, or not in the trainer's weight group")
 
     async def _probe_loop(self) -> None:
         while True:

@@ -195,6 +195,7 @@ class Trainer:
                 step=s.step,
                 samples_consumed=s.samples_consumed,
                 groups_consumed=s.groups_consumed,
+                servers=list(self.publisher.members) if self.publisher.enabled else None,
             )
             self.events.write(event)
 

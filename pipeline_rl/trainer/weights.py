@@ -20,7 +20,8 @@ size, so the set of servers changes only when a group forms (the choice and its 
   eject:   a push fails -> every member is probed (GET /health, 3 s: client.answers_http); those that do not
            answer (killed, stopped, cut off) leave the membership, the others form a new group and get
            the same version again (restore: some may hold it already). No trainer restart; the lag gate
-           and the actors' version check keep anyone from sampling the ejected server's old weights.
+           and the version events (they name the servers in the group; actors use only those) keep
+           anyone from sampling the ejected server's old weights.
   rejoin:  at a step boundary, at most every trainer.rejoin_check_s, the configured servers outside the
            group are probed; one that answers leaves any stale group and the group forms again with it,
            so the push that follows gives it the current weights (a restarted server answers 503
