@@ -74,7 +74,7 @@ class RunEvaluations:
 
         e, inference = self.cfg.eval, self.cfg.inference
         errors = []
-        for url in read_fleet(self.run_dir) or inference.urls:
+        for url in read_fleet(self.cfg.run_dir) or inference.urls:
             try:
                 return evaluate_server(url, self.cfg.task, e.num_problems, e.max_tokens, inference.token)
             except Exception as err:  # the next server may answer

@@ -29,7 +29,7 @@ class ServersChange:
         self._retire: set[str] = set()  # urls of launcher-started servers to stop (main thread does it)
 
     def urls(self) -> list[str]:
-        return read_fleet(self.launcher.run_dir) or list(self.launcher.cfg.inference.urls)
+        return read_fleet(self.launcher.cfg.run_dir) or list(self.launcher.cfg.inference.urls)
 
     def handle(self, body: dict) -> tuple[int, dict]:
         """The HTTP answer (status, body) to {"add": URL} or {"remove": URL}."""
@@ -58,7 +58,7 @@ class ServersChange:
                     return 409, {"error": "last_server", "detail": "a job keeps at least one server"}
                 urls = [u for u in urls if u != url]
                 self._retire.add(url)
-            write_fleet(self.launcher.run_dir, urls)
+            write_fleet(self.launcher.cfg.run_dir, urls)  # the shared run directory (several hosts)
         print(f"servers of the job: {action} {url} -> {urls}", flush=True)
         return 200, {"servers": urls}
 
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", default="runs/latest", help="the running job's run directory")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
-    if args.action == "list":
-        print(json.dumps(read_fleet(run_dir), indent=2))
-        return
-    if not args.url:
+    if args.action != "list" and not args.url:
         parser.error(f"{args.action} needs a URL")
     try:
         port = int((run_dir / "status_port").read_text())
@@ -101,10 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     if token is None and secrets.exists():
         token = json.loads(secrets.read_text()).get("inference", {}).get("token")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    base = f"http://127.0.0.1:{port}"
     try:
-        answer = httpx.post(
-            f"http://127.0.0.1:{port}/servers", json={args.action: args.url}, headers=headers, timeout=30
-        )
+        if args.action == "list":
+            print(json.dumps(httpx.get(f"{base}/status", timeout=30).json()["job_servers"], indent=2))
+            return
+        answer = httpx.post(f"{base}/servers", json={args.action: args.url}, headers=headers, timeout=30)
     except httpx.HTTPError as e:
         sys.exit(f"the launcher on port {port} did not answer: {e}")
     print(json.dumps(answer.json(), indent=2))

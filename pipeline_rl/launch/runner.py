@@ -168,7 +168,7 @@ class Launcher:
             self._wait_redis()  # the monitor reads the streams from the start
         self.monitor = RunMonitor(cfg, self.run_dir)
         if self.share.trainer or not self.share.cluster:  # the node whose trainer follows fleet.json
-            write_fleet(self.run_dir, cfg.inference.urls)
+            write_fleet(cfg.run_dir, cfg.inference.urls)  # the shared run directory
         self.status_server = serve_status(
             status_port, self._status, self.servers_change.handle, cfg.inference.token
         )
@@ -184,6 +184,7 @@ class Launcher:
             "restarts": self.supervisor.restarts_by_role(),
             "restarts_per_process": dict(self.supervisor.restarts),
             "weight_group": {k: trainer.get(k) for k in membership},  # as of the trainer's last step
+            "job_servers": self.servers_change.urls(),
         }
 
     def _wait_redis(self) -> None:

@@ -50,7 +50,9 @@ def capabilities_stub():
 
 
 def _launcher(tmp_path, urls):
-    cfg = SimpleNamespace(inference=SimpleNamespace(urls=urls), supervision=SimpleNamespace(stop_grace_s=1))
+    cfg = SimpleNamespace(
+        run_dir=tmp_path, inference=SimpleNamespace(urls=urls), supervision=SimpleNamespace(stop_grace_s=1)
+    )
     return SimpleNamespace(run_dir=tmp_path, cfg=cfg, children=[])
 
 
