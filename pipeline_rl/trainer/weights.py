@@ -202,16 +202,21 @@ class WeightPublisher:
     def _wait_for_a_server(self) -> None:
         deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
         log.warning("no server left in the weight group: waiting for one to answer")
+        why: dict[str, str] = {}
         while time.monotonic() < deadline:
-            back = self._release([u for u in self.urls if answers_http(u)], REJOIN_RELEASE_S)
+            answering = [u for u in self.urls if answers_http(u)]
+            why = {u: "unreachable (GET /health does not answer)" for u in self.urls if u not in answering}
+            back = self._release(answering, REJOIN_RELEASE_S, why)
             if back:
                 self.members = back
                 self.rejoined_total += len(back)
                 return
             time.sleep(1.0)
+        reasons = "; ".join(f"{u}: {why.get(u, 'never answered')}" for u in self.urls)
         raise WeightPushError(
-            f"no inference server answered for {self.cfg.inference.startup_timeout_s:.0f}s "
-            "(inference.startup_timeout_s): nothing to push to",
+            f"no inference server could join the weight group for "
+            f"{self.cfg.inference.startup_timeout_s:.0f}s (inference.startup_timeout_s), nothing to push "
+            f"to: {reasons}. Are the servers up, and is inference.urls right?",
             self.urls,
         )
 
@@ -265,8 +270,9 @@ class WeightPublisher:
             self._eject(e, "re-forming the weight group", joining=True)
         self.rejoined_total += len([u for u in back if u in self.members])
 
-    def _release(self, urls: list[str], timeout_s: float) -> list[str]:
-        """Ask servers outside our group to leave any old one; those that could (the others: next time)."""
+    def _release(self, urls: list[str], timeout_s: float, why: dict[str, str] | None = None) -> list[str]:
+        """Ask servers outside our group to leave any old one; those that could (the others: next time,
+        with the reason in `why`)."""
         ready = []
         for url in urls:
             try:
@@ -274,6 +280,8 @@ class WeightPublisher:
                 ready.append(url)
             except WeightPushError as e:
                 log.warning("%s cannot join the weight group now: %s", url, e)
+                if why is not None:
+                    why[url] = str(e)
         return ready
 
     def _rebuild(self, members: list[str]) -> None:
