@@ -89,6 +89,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="recompute: drop KV computed by old weights after an update; keep: in-flight requests keep it",
     )
     p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="vllm backend: the format of tool calls the model writes, read for tool_choice auto (a vLLM "
+        "tool parser name: hermes, llama3_json, mistral, ...; default hermes, the tiny model's format; "
+        "none: refuse tool_choice auto)",
+    )
+    p.add_argument(
         "--capture-dir",
         default=None,
         help="capture backend only: write each received update to DIR/weights.safetensors + history.jsonl",
@@ -140,6 +147,13 @@ def engine_options(args: argparse.Namespace) -> dict:
         }
     if args.capture_dir is not None:
         raise SystemExit("--capture-dir needs --backend capture")
+    tools = {}
+    if args.tool_call_parser is not None:
+        if args.backend != "vllm":
+            raise SystemExit(
+                "--tool-call-parser needs --backend vllm (docs/contract.md: features per backend)"
+            )
+        tools["tool_call_parser"] = None if args.tool_call_parser == "none" else args.tool_call_parser
     from inference_shim.backends.common import resolve_max_model_len  # light: no engine
 
     try:  # before any engine starts: a length the model cannot take fails here, in one line
@@ -155,6 +169,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "seed": args.seed,
         "kv_after_update": args.kv_after_update,
+        **tools,
     }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from inference_shim.backends.common import ChoiceDelta, ContractError
 from inference_shim.openai_protocol import (
-    AssistantMessage,
+    AssistantDelta,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -31,6 +31,7 @@ from inference_shim.openai_protocol import (
     TopLogprob,
     Usage,
 )
+from inference_shim.tool_calls import ChoiceTools
 
 TokenText = Callable[[int], str]  # token id -> its text (the backend's detokenizer)
 
@@ -107,29 +108,34 @@ def chat_response(
     choices: list[ChoiceDelta],
     want_logprobs: bool,
     token_text: TokenText,
+    tools: Callable[[int], ChoiceTools],
 ) -> ChatCompletionResponse:
+    """`tools(index)` reads choice `index`'s text into the message (content, tool calls)."""
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        message, finish_reason = tools(c.index).message(c.text, c.finish_reason)
+        out.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                finish_reason=finish_reason,
+                logprobs=_chat_logprobs(c, token_text) if want_logprobs else None,
+                token_ids=c.token_ids,
+                weight_versions=c.version_spans,
+            )
+        )
     return ChatCompletionResponse(
         id=new_id("chatcmpl"),
         model=model,
         prompt_token_ids=prompt_ids,
         usage=_usage(prompt_ids, choices),
-        choices=[
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                finish_reason=c.finish_reason,
-                logprobs=_chat_logprobs(c, token_text) if want_logprobs else None,
-                token_ids=c.token_ids,
-                weight_versions=c.version_spans,
-            )
-            for c in sorted(choices, key=lambda c: c.index)
-        ],
+        choices=out,
     )
 
 
 def chat_role_chunk(response_id: str, model: str, created: int, index: int, prompt_ids: list[int]) -> str:
     """The opening chunk of choice `index`: its role, and the prompt's token ids."""
-    choice = ChatChunkChoice(index=index, delta=AssistantMessage(role="assistant", content=""))
+    choice = ChatChunkChoice(index=index, delta=AssistantDelta(role="assistant", content=""))
     return sse(
         ChatCompletionChunk(
             id=response_id, created=created, model=model, choices=[choice], prompt_token_ids=prompt_ids
@@ -138,15 +144,21 @@ def chat_role_chunk(response_id: str, model: str, created: int, index: int, prom
 
 
 def chat_chunk(
-    response_id: str, model: str, created: int, delta: ChoiceDelta, want_logprobs: bool, token_text: TokenText
+    response_id: str,
+    model: str,
+    created: int,
+    delta: ChoiceDelta,
+    want_logprobs: bool,
+    token_text: TokenText,
+    tools: ChoiceTools,
 ) -> str:
+    """One piece of a choice; `tools` (that choice's) reads its text into content and tool call pieces.
+    The final piece of a choice may carry no text: an empty delta then, as OpenAI sends."""
+    message, finish_reason = tools.piece(delta.text, delta.token_ids, delta.finish_reason)
     choice = ChatChunkChoice(
         index=delta.index,
-        # The final piece of a choice may carry no text: an empty delta then, as OpenAI sends.
-        delta=AssistantMessage(
-            role=None, content=delta.text if delta.text or delta.finish_reason is None else None
-        ),
-        finish_reason=delta.finish_reason,
+        delta=message,
+        finish_reason=finish_reason,
         logprobs=_chat_logprobs(delta, token_text) if want_logprobs and delta.token_ids else None,
         token_ids=delta.token_ids,
         weight_versions=delta.version_spans,

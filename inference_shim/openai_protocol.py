@@ -65,6 +65,52 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict | None = Field(default=None, description="JSON schema of the arguments object.")
+
+
+class ToolSpec(BaseModel):
+    """One entry of `tools`: a function the model may call (the only tool type of the Chat API)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    json_schema: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: text (no constraint), any JSON object, or JSON valid for a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a `json_schema` object")
+        return self
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -93,6 +139,32 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_fits_tools(self):
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise ValueError(f"tool_choice {choice if isinstance(choice, str) else 'function'} needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one of tools {names}")
+        return self
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How tool calls are read from this request's output: not at all (no tools, or tool_choice
+        none), parsed from free text (auto, the default with tools), or forced by a JSON schema."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 class CompletionRequest(_SamplingFields):
@@ -130,9 +202,41 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON text, as OpenAI sends them.")
+
+
+class ToolCall(_Response):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    """A piece of tool call `index` in a stream: its id, type and name come first, then argument text."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class AssistantMessage(_Response):
     role: str | None = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class AssistantDelta(_Response):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -186,7 +290,7 @@ class CompletionChoice(_WholeChoice):
 
 
 class ChatChunkChoice(_ChoiceBase):
-    delta: AssistantMessage = Field(default_factory=lambda: AssistantMessage(role=None))
+    delta: AssistantDelta = Field(default_factory=AssistantDelta)
     logprobs: ChatLogprobs | None = None
 
 

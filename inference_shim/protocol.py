@@ -293,6 +293,12 @@ class Capabilities(BaseModel):
     fanouts: list[str] = Field(
         default=["broadcast"], description="Bucket fan-outs this server's workers can take part in."
     )
+    tool_call_parser: str | None = Field(
+        default=None, description="Format of tool calls read from free text (tool_choice auto); None: none."
+    )
+    structured_output: bool = Field(
+        default=False, description="response_format json_object/json_schema and forced tool calls."
+    )
 
 
 class UpdateTimings(BaseModel):

@@ -41,6 +41,7 @@ from inference_shim.openai_format import (
 )
 from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
 from inference_shim.protocol import ErrorResponse, InitProcessGroupRequest, WeightUpdateRequest
+from inference_shim.tool_calls import ChoiceTools, output_constraint
 
 log = logging.getLogger("inference_shim")
 
@@ -236,14 +237,33 @@ def create_app(
     async def chat_completions(req: ChatCompletionRequest):
         admit(req)
         messages = _template_messages(req)
-        prompt_ids = await off_loop(_render_chat, backend, messages, req.add_generation_prompt)
+        tool_specs = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        prompt_ids = await off_loop(_render_chat, backend, messages, req.add_generation_prompt, tool_specs)
         params = sampling(req, req.top_logprobs or 0, req.max_completion_tokens or req.max_tokens)
+        params.constraint = output_constraint(req)
+        if params.constraint is not None and not backend.structured_output:
+            raise ContractError(
+                400,
+                "structured_output_unsupported",
+                f"the {backend.name} backend cannot constrain output (response_format, tool_choice "
+                "'required' or named); docs/contract.md lists the features per backend",
+            )
+        # One reader per choice (a streaming tool parser keeps state); a backend that parses no tool calls
+        # refuses tool_choice auto here, before any generation.
+        readers = [
+            ChoiceTools(req, backend.tool_parser(tool_specs) if req.tool_mode == "auto" else None)
+            for _ in range(req.n)
+        ]
         want_logprobs = req.logprobs
         token_text = backend.token_text
         if not req.stream:
             async for choices in backend.generate(prompt_ids, params, stream=False):
                 backend.check_can_generate()  # an update failed mid-apply meanwhile: 503, not its tokens
-                return _json(chat_response(model_name(), prompt_ids, choices, want_logprobs, token_text))
+                return _json(
+                    chat_response(
+                        model_name(), prompt_ids, choices, want_logprobs, token_text, readers.__getitem__
+                    )
+                )
         generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True))
         first = await _first_or_error(generator)  # errors before streaming starts become proper 4xx
 
@@ -257,7 +277,9 @@ def create_app(
                 while batch is not None:
                     for delta in batch:
                         generated += len(delta.token_ids)
-                        yield chat_chunk(rid, name, created, delta, want_logprobs, token_text)
+                        yield chat_chunk(
+                            rid, name, created, delta, want_logprobs, token_text, readers[delta.index]
+                        )
                     batch = await anext(generator, None)
                 if wants_usage(req):
                     yield usage_chunk(True, rid, name, created, len(prompt_ids), generated)
@@ -334,12 +356,14 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
     return [m.template_dict() for m in req.messages]
 
 
-def _render_chat(backend: Backend, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def _render_chat(
+    backend: Backend, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None
+) -> list[int]:
     """The chat prompt's token ids; a template that refuses these messages is the client's 400."""
     import jinja2
 
     try:
-        return backend.chat_prompt_ids(messages, add_generation_prompt)
+        return backend.chat_prompt_ids(messages, add_generation_prompt, tools)
     except ContractError:
         raise
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:

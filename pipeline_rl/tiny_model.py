@@ -17,9 +17,20 @@ from pydantic import BaseModel, Field, model_validator
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
+# ChatML. With `tools`, a system turn lists them first; an assistant's tool calls are written in the
+# Hermes format (<tool_call>{"name": ..., "arguments": {...}}</tool_call>) that the server's default tool
+# parser reads back; a tool's result is a `tool` turn. Without tools the text is plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nCall a tool as "
+    '<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>. Tools:\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}"
+    '<tool_call>{"name": "{{ call.function.name }}", "arguments": '
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}"
+    "{% else %}{{ call.function.arguments | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -66,6 +66,7 @@ from inference_shim.protocol import (
 
 if TYPE_CHECKING:
     from inference_shim.metrics import ShimMetrics
+    from inference_shim.tool_calls import ToolCallParser
 
 log = logging.getLogger("inference_shim")
 
@@ -403,12 +404,32 @@ class Backend(abc.ABC):
             reprefilled_tokens=self.reprefilled_tokens,
         )
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The model's own chat template, rendered straight to token ids (never re-tokenized later)."""
+    def chat_prompt_ids(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
+        """The model's own chat template, rendered straight to token ids (never re-tokenized later);
+        `tools` (OpenAI's function specs) are the template's to render."""
         return list(
             self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
             )
+        )
+
+    # ------------------------------------------------------------------ tools, structured output
+    # Whether generate() honours SamplingRequest.constraint (JSON schema / JSON object output).
+    structured_output = False
+
+    def tool_parser(self, tools: list[dict]) -> ToolCallParser:
+        """A parser of tool calls in this model's format, for one choice (auto tool choice)."""
+        raise ContractError(
+            400,
+            "tools_unsupported",
+            f"the {self.name} backend reads no tool calls from free text: send tool_choice 'none', or "
+            "'required' / a named function where structured output is supported (docs/contract.md)",
         )
 
     def text_prompt_ids(self, text: str) -> list[int]:

@@ -109,7 +109,9 @@ class CaptureBackend(Backend):
         raise _cannot_generate()
         yield  # unreachable; makes this an async generator like every backend's generate
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
         raise _cannot_generate()
 
     def text_prompt_ids(self, text: str) -> list[int]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from inference_shim.openai_protocol import VersionSpan
 from inference_shim.protocol import WeightUpdateRequest
+from inference_shim.tool_calls import OutputConstraint
 
 
 class ContractError(Exception):
@@ -40,6 +41,7 @@ class SamplingRequest:
     stop: list[str]
     top_logprobs: int  # 0 = only the sampled token's logprob (always returned)
     ignore_eos: bool = False
+    constraint: OutputConstraint | None = None  # structured output (Backend.structured_output only)
 
 
 @dataclass

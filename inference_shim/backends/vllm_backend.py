@@ -21,7 +21,7 @@ import datetime as dt
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
@@ -34,6 +34,7 @@ from inference_shim.backends.common import (
     resolve_max_model_len,
     served_name,
 )
+from inference_shim.backends.vllm_tools import VllmToolParser, structured_outputs, vllm_tool_parser_class
 from inference_shim.metrics import ShimMetrics
 from inference_shim.openai_protocol import VersionSpan
 from inference_shim.protocol import (
@@ -48,6 +49,9 @@ from inference_shim.protocol import (
     received_key,
     verify_value,
 )
+
+if TYPE_CHECKING:
+    from inference_shim.tool_calls import ToolCallParser
 
 WORKER_EXTENSION = "inference_shim.vllm_worker.WeightReceiverExtension"
 
@@ -71,6 +75,12 @@ class VllmOptions(BaseModel):
     enforce_eager: bool = Field(
         default=True, description="No CUDA graphs / compilation (faster start, needed on CPU)."
     )
+    tool_call_parser: str | None = Field(
+        default="hermes",
+        description="vLLM tool parser reading tool calls the model writes (tool_choice auto): hermes "
+        "(<tool_call>{json}</tool_call>, the tiny model's and Qwen's format), llama3_json, mistral, ... "
+        "any name vLLM registers; none: tool_choice auto is refused.",
+    )
     kv_after_update: Literal["recompute", "keep"] = Field(
         default="recompute",
         description="recompute: drop all KV from old weights after an update (in-flight requests re-prefill). "
@@ -91,6 +101,7 @@ class VllmBackend(Backend):
         # request id -> tokens whose KV it holds (prompt per sequence + generated): what a cache reset
         # after an update makes the engine compute again (reprefilled_tokens).
         self._request_tokens: dict[str, int] = {}
+        self._tool_parser_cls = None  # set in start(): the vLLM parser of --tool-call-parser
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -117,6 +128,7 @@ class VllmBackend(Backend):
             enable_prefix_caching=o.kv_after_update == "recompute",
             worker_extension_cls=WORKER_EXTENSION,
         )
+        self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         self.engine = AsyncLLM.from_engine_args(args)
         await self.engine.update_weight_version("0")
         self.tokenizer = AutoTokenizer.from_pretrained(o.model)
@@ -163,7 +175,17 @@ class VllmBackend(Backend):
             staged_receive=True,
             fanouts=["broadcast", "chain"],
             max_model_len=self.max_model_len,
+            tool_call_parser=self.options.tool_call_parser,
+            structured_output=True,
         )
+
+    # ------------------------------------------------------------------ tools, structured output
+    structured_output = True
+
+    def tool_parser(self, tools: list[dict]) -> ToolCallParser:
+        if self._tool_parser_cls is None:
+            return super().tool_parser(tools)
+        return VllmToolParser(self._tool_parser_cls, self.tokenizer, tools)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -186,6 +208,7 @@ class VllmBackend(Backend):
                 max_tokens=min(params.max_tokens or room, room),
                 logprobs=params.top_logprobs,
                 ignore_eos=params.ignore_eos,
+                structured_outputs=structured_outputs(params.constraint),
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             )
         except VLLMClientError as e:  # vLLM's own checks of the parameters (e.g. an empty stop string)

