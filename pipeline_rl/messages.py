@@ -37,10 +37,16 @@ class Sample(BaseModel):
     reward: float
     completion_text: str = ""
     server: str = ""
+    completion_mask: list[int] | None = Field(
+        default=None,
+        description="Multi-turn episodes: 1 for a token the model sampled, 0 for one the environment added "
+        "between turns (trained on: the model's only). None: every completion token is the model's.",
+    )
 
     def token_versions(self) -> list[int]:
-        """Per-token weight version, expanded from the spans."""
-        versions = [0] * len(self.completion_token_ids)
+        """Per-token weight version, expanded from the spans (-1 where no span covers a token: the
+        environment's tokens of a multi-turn episode)."""
+        versions = [-1] * len(self.completion_token_ids)
         for span in self.version_spans:
             for i in range(span.start, span.end):
                 versions[i] = span.version

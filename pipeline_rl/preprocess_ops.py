@@ -117,6 +117,9 @@ def _check_sample(sample: Sample) -> None:
         raise ValueError(
             f"sample {sample.sample_id}: {len(sample.completion_logprobs)} logprobs for {n} completion tokens"
         )
+    mask = sample.completion_mask
+    if mask is not None and (len(mask) != n or any(m not in (0, 1) for m in mask)):
+        raise ValueError(f"sample {sample.sample_id}: completion_mask must hold one 0/1 per completion token")
     for span in sample.version_spans:
         if not 0 <= span.start <= span.end <= n:
             raise ValueError(
@@ -132,11 +135,14 @@ def _to_training_sample(
     prompt, completion = sample.prompt_token_ids, sample.completion_token_ids
     p, c = len(prompt), len(completion)
     input_ids = list(prompt) + list(completion)
-    labels_mask = [0] * p + [1] * c
+    model_tokens = sample.completion_mask or [1] * c  # environment tokens of an episode: 0, not trained
+    labels_mask = [0] * p + list(model_tokens)
     if input_ids:
         labels_mask[0] = 0  # the first token has no context to be predicted from (and ends a packed neighbor)
-    advantages = [0.0] * p + [advantage] * c
-    old_logprobs = [0.0] * p + list(sample.completion_logprobs)
+    advantages = [0.0] * p + [advantage * m for m in model_tokens]
+    old_logprobs = [0.0] * p + [
+        lp * m for lp, m in zip(sample.completion_logprobs, model_tokens, strict=True)
+    ]
     token_versions = [-1] * p + sample.token_versions()
 
     if cfg.vocab_size is not None:

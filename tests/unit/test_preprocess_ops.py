@@ -255,3 +255,44 @@ def test_collate_restarts_positions_per_sequence():
     assert packed.position_ids == [0, 1, 2, 0, 1]
     assert packed.seq_ids == [0, 0, 0, 1, 1]
     assert packed.labels_mask == [0, 1, 1, 0, 1]
+
+
+def test_between_turns_text_is_the_templates_and_leaves_out_an_eos_already_sampled():
+    from pipeline_rl.actor.episode import between_turns_text
+    from pipeline_rl.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ask = [{"role": "user", "content": "2+3="}]
+    reply = [{"role": "tool", "content": "5"}]
+    closed = "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert between_turns_text(tokenizer, ask, reply, ended_by_eos=False) == closed
+    assert between_turns_text(tokenizer, ask, reply, ended_by_eos=True) == closed.removeprefix("<|im_end|>")
+
+
+def test_environment_tokens_are_not_trained_and_a_bad_mask_is_refused():
+    from pipeline_rl.messages import RolloutGroup, Sample
+    from pipeline_rl.preprocess_ops import PreprocessConfig, group_to_training_samples
+
+    def sample(i: int, reward: float, mask: list[int]) -> Sample:
+        return Sample(
+            sample_id=f"g/{i}",
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3, 4, 5, 6],
+            completion_logprobs=[-0.5, 0.0, 0.0, -0.25],
+            version_spans=[{"version": 3, "start": 0, "end": 1}, {"version": 4, "start": 3, "end": 4}],
+            finish_reason="stop",
+            reward=reward,
+            completion_mask=mask,
+        )
+
+    cfg = PreprocessConfig(seq_length=64)
+    group = RolloutGroup(group_id="g", task="t", prompt_index=0, actor_id=0, samples=[])
+    group.samples = [sample(0, 1.0, [1, 0, 0, 1]), sample(1, 0.0, [1, 0, 0, 1])]
+    first, _ = group_to_training_samples(group, cfg)
+    assert first.labels_mask == [0, 0, 1, 0, 0, 1]
+    assert first.token_versions == [-1, -1, 3, -1, -1, 4]
+    assert first.old_logprobs == [0.0, 0.0, -0.5, 0.0, 0.0, -0.25]
+    assert first.advantages[3:5] == [0.0, 0.0] and first.advantages[2] == first.advantages[5] > 0
+    group.samples = [sample(0, 1.0, [1, 0, 1]), sample(1, 0.0, [1, 0, 0, 1])]
+    with pytest.raises(ValueError, match="completion_mask"):
+        group_to_training_samples(group, cfg)
