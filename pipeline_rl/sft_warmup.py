@@ -47,6 +47,14 @@ class WarmupConfig(BaseModel):
     learning_rate: float = Field(3e-3, gt=0, description="AdamW learning rate (cosine decay to 10%).")
     seed: int = Field(0, description="Data and init seed.")
     eval_problems: int = Field(200, ge=1, description="Held-out problems for the accuracy figure.")
+    eval_max_tokens: int = Field(16, ge=1, description="Tokens of a greedy answer in that measurement.")
+    tool_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Multi-turn tasks: share of demonstrations that are whole tool-using episodes; the "
+        "rest answer at once in `answer_styles` (a tiny model's guess at a product is wrong).",
+    )
     answer_styles: dict[str, float] = Field(
         default_factory=lambda: {"answer": 1.0},
         description=f"Share of demonstrations written in each style of {list(ANSWER_STYLES)}; only "
@@ -75,6 +83,27 @@ def _encode(tokenizer, problem: Problem, answer_text: str | None) -> tuple[list[
         return prompt, len(prompt)
     completion = tokenizer(answer_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt + completion, len(prompt)
+
+
+def _encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """A whole multi-turn conversation and which of its tokens are trained: each assistant turn's
+    content and its end-of-turn token, as an episode samples them (pipeline_rl/actor/episode.py)."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        opened = list(
+            tokenizer.apply_chat_template(
+                messages[:k], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        assert opened[: len(ids)] == ids, "the chat template must only grow as the conversation does"
+        trained += [False] * (len(opened) - len(ids))
+        turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = opened + turn
+        trained += [True] * len(turn)
+    return ids, trained
 
 
 def greedy_accuracy(
@@ -116,6 +145,29 @@ def greedy_accuracy(
     return correct / len(problems)
 
 
+def first_turn_calls(model, tokenizer, task, problems: list[Problem], max_tokens: int) -> float:
+    """Share of greedy first turns that are exactly the demonstration's tool call (multi-turn tasks)."""
+    import torch
+
+    hits = 0
+    model.eval()
+    for problem in problems:
+        prompt = _encode(tokenizer, problem, None)[0]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        hits += text == task.demonstration(problem)[-3]["content"]
+    return hits / len(problems)
+
+
 def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg: WarmupConfig) -> dict:
     """Train base_dir's model on canonical solutions, save to out_dir, return {'accuracy', 'seconds', ...}."""
     import torch
@@ -138,19 +190,24 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
     start = time.monotonic()
     model.train()
     losses = []
+    demonstrate = getattr(task, "demonstration", None)  # multi-turn tasks: whole episodes
     for _ in range(cfg.steps):
         rows = []
         for _ in range(cfg.batch_size):
             problem = next(train)
+            if demonstrate is not None and style_rng.random() < cfg.tool_share:
+                rows.append(_encode_conversation(tokenizer, demonstrate(problem)))
+                continue
             style = style_rng.choices(styles, weights)[0]
-            rows.append(_encode(tokenizer, problem, styled_answer(problem, style)))
+            seq, prompt_len = _encode(tokenizer, problem, styled_answer(problem, style))
+            rows.append((seq, [False] * prompt_len + [True] * (len(seq) - prompt_len)))
         width = max(len(r[0]) for r in rows)
         ids = torch.full((len(rows), width), tokenizer.pad_token_id)
         labels = torch.full((len(rows), width), -100)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (seq, prompt_len) in enumerate(rows):
+        for i, (seq, trained) in enumerate(rows):
             ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
+            labels[i, : len(seq)] = torch.where(torch.tensor(trained), torch.tensor(seq), -100)
             mask[i, : len(seq)] = 1
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
@@ -167,10 +224,15 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
             )
     seconds = time.monotonic() - start
     test = list(task.problems(shard_index=0, num_shards=1, seed=cfg.seed, split="test"))[: cfg.eval_problems]
-    accuracy = greedy_accuracy(model, tokenizer, task, test)
+    # Single turn: the first answer only (a multi-turn task's episodes are measured by the launcher's
+    # evaluation through a server; here, how often the first turn answers directly and right).
+    accuracy = greedy_accuracy(model, tokenizer, task, test, max_tokens=cfg.eval_max_tokens)
     # The same completions graded on the number alone, whatever the style: how much of the arithmetic
     # the model knows, as opposed to what the reward accepts.
-    number_accuracy = greedy_accuracy(model, tokenizer, task, test, any_style=True)
+    number_accuracy = greedy_accuracy(model, tokenizer, task, test, cfg.eval_max_tokens, any_style=True)
+    measured = {}
+    if demonstrate is not None:
+        measured["first_turn_calls"] = first_turn_calls(model, tokenizer, task, test, cfg.eval_max_tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -183,6 +245,7 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
         "number_accuracy": number_accuracy,
         "seconds": seconds,
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        **measured,
         "warmup": cfg.model_dump(),
         "task": task_cfg.model_dump(),
     }

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from inference_shim.client import AsyncShimClient, ShimError
 from pipeline_rl.actor.completions import Completion, completions_of
+from pipeline_rl.actor.episode import Episode, EpisodeLimits, run_episode
 from pipeline_rl.actor.errors import ActorError, TrainerStalled
 from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
 from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
@@ -54,10 +55,19 @@ class ActorSummary:
     tokens: int = 0
     retries: int = 0
     server_failures: int = 0
+    tool_faults: int = 0  # multi-turn tasks: malformed calls, unknown tools, tool errors (observations)
+    episodes: int = 0
+    episode_turns: int = 0
     waits: Counter[str] = field(default_factory=Counter)  # reason -> times admission blocked on it
     wait_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAIT_REASONS, 0.0))  # seconds
     elapsed_s: float = 0.0
     group_ids: list[str] = field(default_factory=list)
+
+
+def _tokenizer(model_path: str):
+    from transformers import AutoTokenizer  # only multi-turn tasks pay for the import
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 @dataclass
@@ -84,6 +94,8 @@ class Actor:
         self.ledger = LedgerWriter(cfg.run_dir, f"actor{actor_index}-{self.incarnation}")
         self.limits = GateLimits.from_config(cfg)
         self.task = make_task(cfg.task)
+        # Multi-turn tasks render the environment's turns to tokens on this side (token in / token out).
+        self.tokenizer = _tokenizer(cfg.model_path) if getattr(self.task, "multi_turn", False) else None
         self.summary = ActorSummary()
         self.progress = TrainerProgress()
         self.window = _Window()
@@ -226,12 +238,62 @@ class Actor:
 
     # -- one group ----------------------------------------------------------------------------------
     async def _run_group(self, problem: Problem, start_version: int, started_at: float) -> None:
+        group_id = f"{self.index}-{self.incarnation}:{problem.prompt_index}"
+        if getattr(self.task, "multi_turn", False):
+            samples, grades, extra = await self._episodes(problem, group_id)
+        else:
+            samples, grades = await self._single_turn(problem, group_id)
+            extra = {}
+        group = RolloutGroup(
+            group_id=group_id,
+            task=self.task.name,
+            prompt_index=problem.prompt_index,
+            actor_id=self.index,
+            incarnation=self.incarnation,
+            samples=samples,
+            metadata={
+                **problem.metadata,
+                "answer": problem.answer,
+                "start_version": start_version,
+                "started_at": started_at,
+                "grades": list(grades),
+                **extra,
+            },
+        )
+        async with self.write_lock:  # one writer call at a time (the Writer is not thread-safe)
+            # Ledger first: a kill between the two leaves "generated, in flight", never an unknown id.
+            self.ledger.generated(group_id, [s.sample_id for s in samples])
+            await asyncio.to_thread(self.rollouts.write, group)
+        self.in_flight_versions[start_version] -= 1
+        if not self.in_flight_versions[start_version]:
+            del self.in_flight_versions[start_version]
+        self.summary.groups_written += 1
+        self.summary.group_ids.append(group_id)
+        self._account(samples)
+        self.wake.set()
+
+    async def _episodes(self, problem: Problem, group_id: str) -> tuple[list[Sample], list, dict]:
+        """A multi-turn task's group: `attempts` episodes, each graded on all the model's text."""
+        a = self.cfg.actor
+        played = await asyncio.gather(*(self._play(problem) for _ in range(a.attempts)))
+        grades = await asyncio.gather(*(self.grader.grade_async(problem, "".join(e.texts)) for e in played))
+        budget = self.cfg.task.episode_token_budget
+        samples = [
+            e.sample(
+                f"{group_id}/{i}",
+                reward=compute_reward(grade, e.finish_reason, sum(e.mask), budget, self.cfg.reward),
+            )
+            for i, (e, grade) in enumerate(zip(played, grades, strict=True))
+        ]
+        extra = {"turns": [e.turns for e in played], "episode_ends": [e.end for e in played]}
+        return samples, grades, extra
+
+    async def _single_turn(self, problem: Problem, group_id: str) -> tuple[list[Sample], list]:
         a = self.cfg.actor
         parts = [a.attempts] if a.request_mode == "n" else [1] * a.attempts
         done = await asyncio.gather(*(self._generate(problem.messages, n) for n in parts))
         completions = [c for part in done for c in part]
         grades = await asyncio.gather(*(self.grader.grade_async(problem, c.text) for c in completions))
-        group_id = f"{self.index}-{self.incarnation}:{problem.prompt_index}"
         samples = [
             Sample(
                 sample_id=f"{group_id}/{i}",
@@ -248,47 +310,56 @@ class Actor:
             )
             for i, (c, grade) in enumerate(zip(completions, grades, strict=True))
         ]
-        group = RolloutGroup(
-            group_id=group_id,
-            task=self.task.name,
-            prompt_index=problem.prompt_index,
-            actor_id=self.index,
-            incarnation=self.incarnation,
-            samples=samples,
-            metadata={
-                **problem.metadata,
-                "answer": problem.answer,
-                "start_version": start_version,
-                "started_at": started_at,
-                "grades": list(grades),
-            },
-        )
-        async with self.write_lock:  # one writer call at a time (the Writer is not thread-safe)
-            # Ledger first: a kill between the two leaves "generated, in flight", never an unknown id.
-            self.ledger.generated(group_id, [s.sample_id for s in samples])
-            await asyncio.to_thread(self.rollouts.write, group)
-        self.in_flight_versions[start_version] -= 1
-        if not self.in_flight_versions[start_version]:
-            del self.in_flight_versions[start_version]
-        self.summary.groups_written += 1
-        self.summary.group_ids.append(group_id)
-        self._account(samples)
-        self.wake.set()
+        return samples, grades
 
     async def _generate(self, messages: list[dict], n: int) -> list[Completion]:
+        a = self.cfg.actor
+
+        async def ask(server: Server) -> list[Completion]:
+            response = await server.client.chat(
+                messages,
+                n=n,
+                max_tokens=a.max_tokens,
+                temperature=a.temperature,
+                top_p=a.top_p,
+                logprobs=True,
+            )
+            return completions_of(response, n, server.url)
+
+        return await self._on_a_server(ask)
+
+    async def _play(self, problem: Problem) -> Episode:
+        """One episode of a multi-turn task, on one server (a failed one: the whole episode again on
+        another)."""
+        a, t = self.cfg.actor, self.cfg.task
+        limits = EpisodeLimits(
+            max_turns=t.episode_max_turns,
+            max_tokens_per_turn=a.max_tokens,
+            token_budget=t.episode_token_budget,
+        )
+        sampling = {"temperature": a.temperature, "top_p": a.top_p}
+
+        async def play(server: Server) -> Episode:
+            env = self.task.environment(problem)
+            episode = await run_episode(
+                server.client, self.tokenizer, env, limits, sampling, self.cfg.inference.max_model_len
+            )
+            self.summary.tool_faults += len(env.faults)
+            self.summary.episodes += 1
+            self.summary.episode_turns += episode.turns
+            return episode
+
+        return await self._on_a_server(play)
+
+    async def _on_a_server(self, work):
+        """`await work(server)` on a server the router picks; a failure another server may not have is
+        retried elsewhere, up to actor.request_retries times."""
         a = self.cfg.actor
         failures = 0
         while True:
             server = await self.router.acquire()
             try:
-                response = await server.client.chat(
-                    messages,
-                    n=n,
-                    max_tokens=a.max_tokens,
-                    temperature=a.temperature,
-                    top_p=a.top_p,
-                    logprobs=True,
-                )
+                result = await work(server)
             except Exception as err:
                 if not retryable(err):
                     if isinstance(err, ShimError):
@@ -316,7 +387,7 @@ class Actor:
                 # answer is kept; the trainer drops samples that are too old when it trains.
                 self.router.mark_failed(server, "not in the trainer's weight group any more")
                 self.probe_now.set()
-            return completions_of(response, n, server.url)
+            return result
 
     # -- background ---------------------------------------------------------------------------------
     async def _read_events(self, reader, block_s: float) -> None:
@@ -414,6 +485,8 @@ class Actor:
             "groups_in_flight": sum(self.in_flight_versions.values()),
             "retries": s.retries,
             "server_failures": s.server_failures,
+            "tool_faults": s.tool_faults,
+            "turns_per_episode": s.episode_turns / s.episodes if s.episodes else None,
             "healthy_servers": sum(srv.healthy for srv in self.router.servers),
         }
         for reason in WAIT_REASONS:

@@ -16,13 +16,32 @@ import time
 from pathlib import Path
 
 from inference_shim.client import AsyncShimClient
+from pipeline_rl.actor.episode import EpisodeLimits, run_episode
 from pipeline_rl.tasks import TaskConfig, make_task
 
 
 async def _evaluate(
-    url: str, task_cfg: TaskConfig, num_problems: int, max_tokens: int, token: str | None
+    url: str,
+    task_cfg: TaskConfig,
+    num_problems: int,
+    max_tokens: int,
+    token: str | None,
+    model_path: str | None = None,
+    max_model_len: int = 4096,
 ) -> dict:
     task = make_task(task_cfg)
+    multi_turn = getattr(task, "multi_turn", False)
+    if multi_turn:  # episodes render the environment's turns with the model's tokenizer
+        from transformers import AutoTokenizer
+
+        if model_path is None:
+            raise ValueError(f"evaluating the multi-turn task {task.name!r} needs the model's directory")
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        limits = EpisodeLimits(
+            max_turns=task_cfg.episode_max_turns,
+            max_tokens_per_turn=max_tokens,
+            token_budget=task_cfg.episode_token_budget,
+        )
     problems = []
     for problem in task.problems(shard_index=0, num_shards=1, seed=0, split="test"):
         problems.append(problem)
@@ -32,6 +51,14 @@ async def _evaluate(
     limit = asyncio.Semaphore(64)
 
     async def one(problem) -> tuple[str, int]:
+        if multi_turn:
+            env = task.environment(problem)
+            async with limit:
+                episode = await run_episode(
+                    client, tokenizer, env, limits, {"temperature": 0.0}, max_model_len
+                )
+            versions = {span.version for span in episode.spans}
+            return task.grade(problem, "".join(episode.texts)), max(versions, default=-1)
         async with limit:
             response = await client.chat(problem.messages, max_tokens=max_tokens, temperature=0.0)
         choice = response.choices[0]
@@ -52,10 +79,17 @@ async def _evaluate(
 
 
 def evaluate_server(
-    url: str, task_cfg: TaskConfig, num_problems: int, max_tokens: int, token: str | None = None
+    url: str,
+    task_cfg: TaskConfig,
+    num_problems: int,
+    max_tokens: int,
+    token: str | None = None,
+    model_path: str | None = None,
+    max_model_len: int = 4096,
 ) -> dict:
-    """{'accuracy', 'unparseable', 'problems', 'weight_version'} of greedy answers on the test split."""
-    return asyncio.run(_evaluate(url, task_cfg, num_problems, max_tokens, token))
+    """{'accuracy', 'unparseable', 'problems', 'weight_version'} of greedy answers on the test split
+    (greedy episodes for a multi-turn task, which needs `model_path` for its tokenizer)."""
+    return asyncio.run(_evaluate(url, task_cfg, num_problems, max_tokens, token, model_path, max_model_len))
 
 
 class RunEvaluations:
@@ -76,7 +110,15 @@ class RunEvaluations:
         errors = []
         for url in read_fleet(self.cfg.run_dir) or inference.urls:
             try:
-                return evaluate_server(url, self.cfg.task, e.num_problems, e.max_tokens, inference.token)
+                return evaluate_server(
+                    url,
+                    self.cfg.task,
+                    e.num_problems,
+                    e.max_tokens,
+                    inference.token,
+                    self.cfg.model_path,
+                    inference.max_model_len,
+                )
             except Exception as err:  # the next server may answer
                 errors.append(f"{url}: {type(err).__name__}: {err}")
         raise RuntimeError("no server could be evaluated: " + "; ".join(errors))
@@ -117,8 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--problems", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--task", default="arith")
+    parser.add_argument(
+        "--model", default=None, help="the model's directory (multi-turn tasks: its tokenizer)"
+    )
     args = parser.parse_args(argv)
-    print(json.dumps(evaluate_server(args.url, TaskConfig(name=args.task), args.problems, args.max_tokens)))
+    task = TaskConfig(name=args.task)
+    print(json.dumps(evaluate_server(args.url, task, args.problems, args.max_tokens, model_path=args.model)))
 
 
 if __name__ == "__main__":

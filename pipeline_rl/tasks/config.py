@@ -23,13 +23,21 @@ class TaskConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["arith", "gsm8k", "math"] = Field(
-        default="arith", description="Task to train and evaluate on."
+    name: Literal["arith", "calc", "gsm8k", "math"] = Field(
+        default="arith", description="Task to train and evaluate on (calc: multi-turn, with a tool)."
     )
     arith_num_operands: int = Field(default=2, ge=2, le=8, description="arith: operands per expression.")
     arith_max_operand: int = Field(default=99, ge=1, description="arith: operands are drawn from 0..this.")
     arith_operators: str = Field(
         default="+-", description="arith: operators to draw from, a subset of '+-*'."
+    )
+    calc_max_operand: int = Field(default=999, ge=10, description="calc: factors are drawn from 0..this.")
+    episode_max_turns: int = Field(default=3, ge=1, description="Multi-turn tasks: model turns per episode.")
+    episode_token_budget: int = Field(
+        default=160, ge=8, description="Multi-turn tasks: model + environment tokens after the prompt."
+    )
+    tool_timeout_s: float = Field(
+        default=5.0, gt=0, description="Multi-turn tasks: deadline of one tool call."
     )
     test_size: int = Field(
         default=200, ge=1, description="Held-out test problems (arith; gsm8k/math data without a test split)."
@@ -56,6 +64,10 @@ def make_task(cfg: TaskConfig) -> Task:
     """Build the configured task (loading gsm8k/math data from local files)."""
     if cfg.name == "arith":
         return ArithTask(cfg.arith_num_operands, cfg.arith_max_operand, cfg.arith_operators, cfg.test_size)
+    if cfg.name == "calc":
+        from pipeline_rl.tasks.calc import CalcTask
+
+        return CalcTask(cfg.calc_max_operand, cfg.test_size, cfg.tool_timeout_s)
     # Imported here: math-verify and datasets are slow to import and arith needs neither.
     from pipeline_rl.tasks.math_tasks import Gsm8kTask, MathTask
 
