@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-unit test-integration test-long test-fast demo bench lint format
+.PHONY: setup test test-unit test-integration test-long test-fast demo demo-calc bench lint format
 
 setup:
 	bash scripts/setup.sh
@@ -31,6 +31,10 @@ test-fast: setup
 
 demo: setup
 	$(PY) -m pipeline_rl.cli demo
+
+# The multi-turn recipe: multiplication with a calculator tool (docs/tasks.md, "calc").
+demo-calc: setup
+	$(PY) -m pipeline_rl.cli demo --recipe calc
 
 bench: setup
 	$(PY) -m pipeline_rl.cli bench all

@@ -329,10 +329,15 @@ class WeightSender:
             if in_flight is not None:
                 in_flight[0].wait(f"sending bucket {in_flight[1]} of version {version}")
         except Exception as e:
+            self._cancel(group, request.update_id)
             raise WeightPushError(f"broadcast of version {version} failed: {e}", self.server_urls) from e
         broadcast_seconds = time.perf_counter() - broadcast_start
 
-        results = self._collect_results(version, request.update_id)
+        try:
+            results = self._collect_results(version, request.update_id)
+        except WeightPushError:
+            self._cancel(group, request.update_id)
+            raise
         total_bytes = sum(b.nbytes for b in buckets)
         return PushReport(
             version=version,
@@ -401,6 +406,16 @@ class WeightSender:
     def _decide(self, group: WeightGroup, update_id: str, decision: str) -> None:
         key = decision_key(self.group_name, update_id)
         group.store.set(key, sign_value(self._token, key, decision))
+
+    def _cancel(self, group: WeightGroup, update_id: str) -> None:
+        """The push failed after "go": overwrite the decision, so a server whose buckets arrive late (a
+        link that comes back, a server resumed from SIGSTOP) discards them instead of applying a
+        version we reported as failed (servers re-read the decision before they pause to apply).
+        Best effort: a server that had already started applying still applies."""
+        try:
+            self._decide(group, update_id, "cancel")
+        except Exception as e:  # the store itself may be what failed
+            log.warning("could not cancel update %s: %s", update_id, e)
 
     def _buffer(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
         # Two buffers, alternating: bucket i is packed into one while bucket i-1 is broadcast from the

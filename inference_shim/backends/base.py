@@ -59,9 +59,11 @@ from inference_shim.protocol import (
     UpdateTimings,
     WeightUpdateAccepted,
     WeightUpdateRequest,
+    decision_key,
     plan_buckets,
     result_key,
     sign_value,
+    verify_decision,
 )
 
 if TYPE_CHECKING:
@@ -268,6 +270,7 @@ class Backend(abc.ABC):
         try:
             await self._wait_received(req, result)
             fault_point("server.received")  # chaos tests: the server dies between receive and apply
+            await self._check_not_cancelled(req, group, store)
             paused_at = time.perf_counter()
             deadline = time.monotonic() + req.timeout_s  # the contract's "then again for applying"
             paused = self.paused = True
@@ -292,6 +295,20 @@ class Backend(abc.ABC):
                 key = result_key(group.group_name, req.update_id, group.server_id)
                 value = sign_value(self.token, key, result.model_dump_json())
                 await asyncio.to_thread(store.set, key, value)
+
+    async def _check_not_cancelled(self, req: WeightUpdateRequest, group: GroupState, store: Any) -> None:
+        """Re-read the trainer's decision once every bucket is here: a trainer that gave up on this
+        update after "go" (weight_sender._cancel) wrote "cancel", and then the old weights stay."""
+        if store is None:  # an engine whose own code runs the update (no shim store client)
+            return
+        key = decision_key(group.group_name, req.update_id)
+        raw = await asyncio.wait_for(asyncio.to_thread(store.get, key), timeout=req.timeout_s)
+        decision = verify_decision(self.token, key, raw, req.version)
+        if decision != "go":
+            raise RuntimeError(
+                f"the trainer cancelled version {req.version} after sending it ({decision!r}: it reported "
+                "the push failed); the old weights stay"
+            )
 
     async def _recover(self, paused: bool, partial: bool, timeout_s: float) -> None:
         """After a failed update: never let a mixed engine answer, never leave it paused, drop staging.

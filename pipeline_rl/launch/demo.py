@@ -6,6 +6,8 @@
 4. prints the held-out accuracy before and after, the summary and the plots' paths.
 
 Extra key=value arguments go to the launcher (e.g. `pipeline-rl demo mode=sync`).
+`pipeline-rl demo --recipe calc [key=value ...]` runs the multi-turn task with a calculator tool instead
+(artifacts/tiny-calc).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_rl.sft_warmup import WarmupConfig, warm_up
@@ -64,43 +67,95 @@ DEMO_OVERRIDES = [
 ]
 
 
-def _recipe_hash() -> str:
-    recipe = {
+# `--recipe calc`: the multi-turn task with a calculator tool (pipeline_rl/tasks/calc.py). 2-digit
+# products, which the tiny model cannot compute in its head. The warm-up shows whole tool-using episodes
+# for 30% of the problems and direct (so, for the model, guessed) answers for the rest: sampled at
+# temperature 1 the model calls the tool now and then, greedily it mostly guesses. RL has to find, from
+# the reward alone, that calling the tool pays.
+CALC_TASK = TaskConfig(name="calc", calc_max_operand=99, episode_max_turns=3, episode_token_budget=128)
+CALC_WARMUP = WarmupConfig(
+    steps=400, batch_size=32, learning_rate=3e-3, tool_share=0.3, eval_problems=100, eval_max_tokens=80
+)
+CALC_OVERRIDES = [
+    f"max_wall_s={DEMO_WALL_S}",
+    "trainer.max_steps=100000",
+    "task.name=calc",
+    f"task.calc_max_operand={CALC_TASK.calc_max_operand}",
+    f"task.episode_max_turns={CALC_TASK.episode_max_turns}",
+    f"task.episode_token_budget={CALC_TASK.episode_token_budget}",
+    "trainer.learning_rate=1e-4",
+    "trainer.batch_size=64",
+    "preprocess.drop_all_equal_groups=true",
+    "actor.max_lag=2",
+    "actor.max_buffered_groups=32",
+    "actor.max_tokens=80",
+    "inference.max_model_len=256",
+    "eval.num_problems=100",
+    "eval.max_tokens=80",
+    "eval.every_s=60",
+]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model_dir: str  # under artifacts/
+    task: TaskConfig
+    warmup: WarmupConfig
+    overrides: list[str]
+
+
+RECIPES = {
+    "arith": Recipe("tiny-arith", DEMO_TASK, DEMO_WARMUP, DEMO_OVERRIDES),
+    "calc": Recipe("tiny-calc", CALC_TASK, CALC_WARMUP, CALC_OVERRIDES),
+}
+
+
+def _recipe_hash(recipe: Recipe) -> str:
+    described = {
         "model": DEMO_MODEL.model_dump(),
-        "task": DEMO_TASK.model_dump(),
-        "warmup": DEMO_WARMUP.model_dump(),
+        "task": recipe.task.model_dump(),
+        "warmup": recipe.warmup.model_dump(),
     }
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _accuracies(info: dict) -> str:
     number = info.get("number_accuracy")
     also = f"; sum right in any format {number:.1%}" if number is not None else ""
+    calls = info.get("first_turn_calls")
+    also += f"; greedy first turns that call the tool {calls:.1%}" if calls is not None else ""
     return f"held-out accuracy {info['accuracy']:.1%}{also}"
 
 
-def prepare_model() -> Path:
-    """The warmed-up demo model, rebuilt only when the recipe changed."""
-    base, warmed = ARTIFACTS / "tiny-base", ARTIFACTS / "tiny-arith"
+def prepare_model(recipe: Recipe = RECIPES["arith"]) -> Path:
+    """The warmed-up demo model of a recipe, rebuilt only when the recipe changed."""
+    base, warmed = ARTIFACTS / "tiny-base", ARTIFACTS / recipe.model_dir
     stamp = warmed / "recipe.sha"
-    if stamp.exists() and stamp.read_text().strip() == _recipe_hash():
+    if stamp.exists() and stamp.read_text().strip() == _recipe_hash(recipe):
         info = json.loads((warmed / "warmup.json").read_text())
         print(f"warmed-up model cached in {warmed} ({_accuracies(info)})", flush=True)
         return warmed
     print(f"building the tiny model in {base}", flush=True)
     build_tiny_model(base, DEMO_MODEL)
-    print(f"supervised warm-up on arith ({DEMO_WARMUP.steps} steps)...", flush=True)
-    info = warm_up(base, warmed, DEMO_TASK, DEMO_WARMUP)
+    print(f"supervised warm-up on {recipe.task.name} ({recipe.warmup.steps} steps)...", flush=True)
+    info = warm_up(base, warmed, recipe.task, recipe.warmup)
     print(f"warm-up done in {info['seconds']:.0f}s: {_accuracies(info)}", flush=True)
-    stamp.write_text(_recipe_hash() + "\n")
+    stamp.write_text(_recipe_hash(recipe) + "\n")
     return warmed
 
 
 def main(argv: list[str] | None = None) -> None:
     from pipeline_rl.launch import main as launch_main
 
-    model = prepare_model()
-    launch_main.main([f"model_path={model}", *DEMO_OVERRIDES, *(argv or [])])
+    argv = list(argv or [])
+    name = "arith"
+    if argv[:1] == ["--recipe"] and len(argv) > 1:
+        name, argv = argv[1], argv[2:]
+    if name not in RECIPES:
+        raise SystemExit(f"pipeline-rl demo: --recipe {name!r} is not one of {sorted(RECIPES)}")
+    recipe = RECIPES[name]
+    model = prepare_model(recipe)
+    launch_main.main([f"model_path={model}", *recipe.overrides, *argv])
 
 
 if __name__ == "__main__":
