@@ -106,23 +106,19 @@ def _encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], li
     return ids, trained
 
 
-def greedy_accuracy(
-    model, tokenizer, task, problems: list[Problem], max_tokens: int = 16, *, any_style: bool = False
-) -> float:
-    """Exact-match accuracy of greedy completions (transformers generate).
+def greedy_texts(model, tokenizer, problems: list[Problem], max_tokens: int) -> list[str]:
+    """Greedy first answers (transformers generate), in the order of `problems`.
 
-    any_style=True grades the last integer of the completion in any answer style (arith only): the
-    arithmetic the model knows, whatever the format the grader demands.
     Prompts are batched by length so that no padding is needed: left padding would shift the
     positions of a model that derives them from the sequence index.
     """
     import torch
 
-    by_length: dict[int, list[tuple[Problem, list[int]]]] = {}
-    for problem in problems:
+    by_length: dict[int, list[tuple[int, list[int]]]] = {}
+    for k, problem in enumerate(problems):
         prompt = _encode(tokenizer, problem, None)[0]
-        by_length.setdefault(len(prompt), []).append((problem, prompt))
-    correct = 0
+        by_length.setdefault(len(prompt), []).append((k, prompt))
+    texts = [""] * len(problems)
     model.eval()
     for batch in by_length.values():
         ids = torch.tensor([prompt for _, prompt in batch])
@@ -135,37 +131,33 @@ def greedy_accuracy(
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        for i, (problem, _) in enumerate(batch):
-            text = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
-            if any_style:
-                numbers = re.findall(r"-?\d+", text)
-                correct += bool(numbers) and numbers[-1] == problem.answer
-            else:
-                correct += task.grade(problem, text) == "correct"
+        for i, (k, _) in enumerate(batch):
+            texts[k] = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
+    return texts
+
+
+def greedy_accuracy(
+    model, tokenizer, task, problems: list[Problem], max_tokens: int = 16, *, any_style: bool = False
+) -> float:
+    """Exact-match accuracy of greedy completions. any_style=True grades the last integer of the
+    completion in any answer style (arith only): the arithmetic the model knows, whatever the format
+    the grader demands."""
+    correct = 0
+    for problem, text in zip(problems, greedy_texts(model, tokenizer, problems, max_tokens), strict=True):
+        if any_style:
+            numbers = re.findall(r"-?\d+", text)
+            correct += bool(numbers) and numbers[-1] == problem.answer
+        else:
+            correct += task.grade(problem, text) == "correct"
     return correct / len(problems)
 
 
 def first_turn_calls(model, tokenizer, task, problems: list[Problem], max_tokens: int) -> float:
     """Share of greedy first turns that are exactly the demonstration's tool call (multi-turn tasks)."""
-    import torch
-
-    hits = 0
-    model.eval()
-    for problem in problems:
-        prompt = _encode(tokenizer, problem, None)[0]
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        hits += text == task.demonstration(problem)[-3]["content"]
-    return hits / len(problems)
+    texts = greedy_texts(model, tokenizer, problems, max_tokens)
+    return sum(
+        text == task.demonstration(p)[1]["content"] for p, text in zip(problems, texts, strict=True)
+    ) / len(problems)
 
 
 def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg: WarmupConfig) -> dict:

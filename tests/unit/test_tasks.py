@@ -367,3 +367,43 @@ def test_overlong_and_truncation_penalties():
     assert compute_reward("unparseable", "stop", 98, 100, half) == pytest.approx(-0.5 - 0.4)
     with pytest.raises(ValueError, match="overlong_buffer"):
         compute_reward("correct", "stop", 1, 100, RewardConfig(overlong_buffer=100))
+
+
+def test_a_calc_demonstration_trains_only_the_models_turns():
+    from pipeline_rl.sft_warmup import _encode_conversation
+    from pipeline_rl.tasks.calc import CalcTask
+    from pipeline_rl.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    task = CalcTask(max_operand=99, test_size=10)
+    problem = next(task.problems(0, 1, seed=0, split="train"))
+    ids, trained = _encode_conversation(tokenizer, task.demonstration(problem))
+    assert ids == tokenizer.apply_chat_template(task.demonstration(problem), return_dict=False)[:-1]
+    model_text = tokenizer.decode([t for t, keep in zip(ids, trained, strict=True) if keep])
+    expr = problem.metadata["expr"]
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "' + expr + '"}}</tool_call>'
+    assert model_text == f"{call}<|im_end|>answer: {problem.answer}<|im_end|>"
+
+
+def test_the_calc_environment_turns_every_bad_call_into_an_observation():
+    import asyncio
+
+    from pipeline_rl.tasks.calc import NUDGE, CalcTask, tool_call_text
+
+    task = CalcTask(max_operand=99, test_size=10, tool_timeout_s=2)
+    problem = next(task.problems(0, 1, seed=0, split="train"))
+    env = task.environment(problem)
+
+    def reply(text: str):
+        return asyncio.run(env.reply(text, "stop"))
+
+    assert reply(tool_call_text(problem.metadata["expr"])) == [{"role": "tool", "content": problem.answer}]
+    assert reply('<tool_call>{"name": "calc", "argu')[0]["content"].startswith("error: malformed tool call")
+    assert (
+        "unknown tool 'sh'" in reply('<tool_call>{"name": "sh", "arguments": {}}</tool_call>')[0]["content"]
+    )
+    assert "not integer arithmetic" in reply(tool_call_text("open('x')"))[0]["content"]
+    assert "did not finish" in reply(tool_call_text("9**9**9"))[0]["content"]
+    assert reply("I think it is big") == [{"role": "user", "content": NUDGE}]
+    assert reply(f"answer: {problem.answer}") is None
+    assert env.calls == 5 and env.faults == ["malformed_call", "unknown_tool", "tool_error", "tool_error"]
