@@ -154,6 +154,12 @@ def engine_options(args: argparse.Namespace) -> dict:
                 "--tool-call-parser needs --backend vllm (docs/contract.md: features per backend)"
             )
         tools["tool_call_parser"] = None if args.tool_call_parser == "none" else args.tool_call_parser
+        from inference_shim.backends.vllm_tools import vllm_tool_parser_class
+
+        try:  # before any engine starts: an unknown name fails here, listing the known ones
+            vllm_tool_parser_class(tools["tool_call_parser"])
+        except ValueError as e:
+            raise SystemExit(f"pipeline-rl serve: {e}") from None
     from inference_shim.backends.common import resolve_max_model_len  # light: no engine
 
     try:  # before any engine starts: a length the model cannot take fails here, in one line

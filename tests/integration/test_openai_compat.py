@@ -60,6 +60,12 @@ def test_a_longer_max_model_len_fails_fast_naming_both_numbers(model):
     assert "4096" in done.stderr and str(POSITIONS) in done.stderr, done.stderr
 
 
+def test_an_unknown_tool_call_parser_fails_fast_listing_the_known_ones(model):
+    argv = [sys.executable, "-m", "inference_shim", "--model", str(model), "--port", "0"]
+    done = subprocess.run([*argv, "--tool-call-parser", "nope"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "'nope'" in done.stderr and "hermes" in done.stderr, done.stderr
+
+
 def test_text_parts_give_what_the_plain_string_gives(server):
     _, client = server
     plain = _chat(client, ASK, **GREEDY)
