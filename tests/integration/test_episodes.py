@@ -165,3 +165,31 @@ def test_the_token_budget_ends_an_episode_before_the_context_does(model, server)
     episode = asyncio.run(asyncio.wait_for(play(), timeout=120))
     assert episode.end == "token_budget" and 1 < episode.turns < 50
     assert len(episode.token_ids) <= 60
+
+
+class Flood(Judge):
+    """Answers with an observation far longer than the episode allows."""
+
+    async def reply(self, model_text, finish_reason):
+        if self.replies:
+            return None
+        self.replies.append([{"role": "tool", "content": "9" * 10_000}])
+        return self.replies[-1]
+
+
+def test_an_over_long_observation_is_cut_with_a_marker(model, server):
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    async def play():
+        client = AsyncShimClient(server, timeout_s=60)
+        try:
+            limits = EpisodeLimits(max_turns=3, max_tokens_per_turn=TURN_TOKENS, max_observation_chars=50)
+            sampling = {"temperature": 1.0, "ignore_eos": True}
+            return await run_episode(client, tokenizer, Flood(rounds=1), limits, sampling, max_model_len=512)
+        finally:
+            await client.aclose()
+
+    episode = asyncio.run(asyncio.wait_for(play(), timeout=120))
+    assert episode.observations_cut == 1 and episode.turns == 2 and episode.end == "environment"
+    environment = tokenizer.decode([t for t, m in zip(episode.token_ids, episode.mask, strict=True) if not m])
+    assert "9" * 50 + " [cut]" in environment and "9" * 51 not in environment
