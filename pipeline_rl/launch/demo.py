@@ -69,12 +69,13 @@ DEMO_OVERRIDES = [
 
 # `--recipe calc`: the multi-turn task with a calculator tool (pipeline_rl/tasks/calc.py). 2-digit
 # products, which the tiny model cannot compute in its head. The warm-up shows whole tool-using episodes
-# for 30% of the problems and direct (so, for the model, guessed) answers for the rest: sampled at
-# temperature 1 the model calls the tool now and then, greedily it mostly guesses. RL has to find, from
-# the reward alone, that calling the tool pays.
+# for 40% of the problems and direct (so, for the model, guessed) answers for the rest. Measured after
+# it (1200 steps, ~15 min on one core): sampled at temperature 1, 16 of 35 first turns were a call, all
+# 16 copying the expression exactly (400 steps were too few: 0 of 14 exact); greedily the model always
+# guesses (held-out accuracy 1%). RL has to find, from the reward alone, that calling the tool pays.
 CALC_TASK = TaskConfig(name="calc", calc_max_operand=99, episode_max_turns=3, episode_token_budget=128)
 CALC_WARMUP = WarmupConfig(
-    steps=400, batch_size=32, learning_rate=3e-3, tool_share=0.3, eval_problems=100, eval_max_tokens=80
+    steps=1200, batch_size=32, learning_rate=3e-3, tool_share=0.4, eval_problems=100, eval_max_tokens=80
 )
 CALC_OVERRIDES = [
     f"max_wall_s={DEMO_WALL_S}",
@@ -120,10 +121,11 @@ def _recipe_hash(recipe: Recipe) -> str:
 
 
 def _accuracies(info: dict) -> str:
-    number = info.get("number_accuracy")
-    also = f"; sum right in any format {number:.1%}" if number is not None else ""
-    calls = info.get("first_turn_calls")
-    also += f"; greedy first turns that call the tool {calls:.1%}" if calls is not None else ""
+    number, calls = info.get("number_accuracy"), info.get("first_turn_calls")
+    if calls is not None:  # a multi-turn task: whether the first turn calls the tool
+        also = f"; greedy first turns that call the tool {calls:.1%}"
+    else:
+        also = f"; sum right in any format {number:.1%}" if number is not None else ""
     return f"held-out accuracy {info['accuracy']:.1%}{also}"
 
 
