@@ -99,6 +99,19 @@ def test_tool_calls_and_tool_results_are_accepted(server):
     assert len(response.prompt_token_ids) > len(_chat(client, ASK, **GREEDY).prompt_token_ids)
 
 
+def test_stop_ends_the_answer_before_the_stop_string(server):
+    _, client = server
+    free = _chat(client, ASK, temperature=1.0, seed=5, max_tokens=40, extra_body={"ignore_eos": True})
+    text = free.choices[0].message.content
+    stop = text[10:12]  # two characters the same seeded sample writes at position 10
+    cut = _chat(
+        client, ASK, temperature=1.0, seed=5, max_tokens=40, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    choice = cut.choices[0]
+    assert choice.finish_reason == "stop" and stop not in choice.message.content
+    assert text.startswith(choice.message.content) and len(choice.message.content) <= 10
+
+
 def _usage_of(chunks: list) -> tuple[object, int]:
     with_usage = [c for c in chunks if c.usage is not None]
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
