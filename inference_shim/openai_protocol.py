@@ -132,6 +132,15 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
+    @model_validator(mode="after")
+    def _seeds_of_all_choices_fit(self):
+        # With n > 1 the engine samples choice i with seed + i: each of those must fit as well.
+        if self.seed is not None and self.seed + self.n - 1 >= 2**63:
+            raise ValueError(
+                f"seed + n - 1 must be < 2**63 (choice i is sampled with seed + i); got seed {self.seed}"
+            )
+        return self
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)

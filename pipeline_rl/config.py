@@ -74,6 +74,11 @@ class ActorConfig(_Section):
     request_mode: Literal["n", "per_sample"] = Field(
         "n", description="One request with n=attempts per group, or one request per sample."
     )
+    seed_requests: bool = Field(
+        True,
+        description="Send every request a sampling seed derived from the run's `seed`, the prompt and the "
+        "sample: the same weights then sample the same tokens (false: the engine's own random stream).",
+    )
     request_retries: int = Field(
         5, ge=0, description="Retries of one failed request on other servers before the actor exits."
     )
@@ -110,6 +115,11 @@ class TrainerConfig(_Section):
         2,
         ge=2,
         description="Newest verified checkpoints kept (>= 2: one to fall back to); older are deleted.",
+    )
+    micro_batch_layout: Literal["padded", "packed"] = Field(
+        "padded",
+        description="How the model sees a packed micro-batch: right-padded rows with an attention mask, or "
+        "one packed row (attention over all its token pairs with sdpa; 4-7x slower on CPU, docs/trainer.md).",
     )
     bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
     push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
@@ -200,7 +210,9 @@ class RunConfig(_Section):
     run_dir: str = Field("runs/latest", description="Where configs, logs, checkpoints and plots go.")
     model_path: str = Field("artifacts/tiny-arith", description="Hugging Face model directory to train.")
     mode: Literal["pipeline", "sync"] = Field("pipeline", description="pipelined RL, or generate-then-train.")
-    seed: int = Field(0, description="Global seed.")
+    seed: int = Field(
+        0, description="Global seed: engine seeds and the actor's per-request sampling seeds derive from it."
+    )
     max_wall_s: float = Field(
         0.0, ge=0, description="Stop the run after this many seconds (0 = only max_steps)."
     )

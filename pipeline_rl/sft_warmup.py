@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import time
@@ -165,9 +164,10 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # Half the cores: on a 2-core box two OpenMP threads spin against each other and against any other
-    # process, and one thread measured 3-5x faster per step than two under load.
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    # One thread on every machine: the thread count changes the order of floating-point sums, so the
+    # warmed-up model (and the demo's starting point) would differ from box to box. On a 2-core box one
+    # thread also measured 3-5x faster per step than two under load.
+    torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = make_task(task_cfg)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)

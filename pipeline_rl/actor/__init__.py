@@ -16,7 +16,7 @@ docs/actor.md explains all of it at length.
 from pipeline_rl.actor.completions import Completion, completions_of
 from pipeline_rl.actor.errors import ActorError, AllServersDown, TrainerStalled
 from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
-from pipeline_rl.actor.loop import ActorSummary, run_actor
+from pipeline_rl.actor.loop import ActorSummary, request_seed, run_actor
 from pipeline_rl.actor.router import Router, Server
 
 __all__ = [
@@ -31,5 +31,6 @@ __all__ = [
     "TrainerStalled",
     "completions_of",
     "gate_block",
+    "request_seed",
     "run_actor",
 ]

@@ -139,10 +139,16 @@ async def run_episode(
     limits: EpisodeLimits,
     sampling: dict,
     max_model_len: int,
+    seed: int | None = None,
 ) -> Episode:
     """Play one episode on one server (`client`: AsyncShimClient). `sampling`: temperature, top_p, ...
-    Raises what the client raises (the caller retries the episode elsewhere); never for the model's
-    output."""
+    `seed`: the first turn's sampling seed (turn k samples with seed + k), or None for the engine's own
+    random stream. Raises what the client raises (the caller retries the episode elsewhere); never for
+    the model's output."""
+
+    def seeded(turn: int) -> dict:
+        return {} if seed is None else {"seed": (seed + turn) % 2**63}
+
     messages = env.messages()
     tools = env.tools()
     # The environment reads calls from the text (tool_choice none): the server only renders the tools.
@@ -153,6 +159,7 @@ async def run_episode(
         logprobs=True,
         n=1,
         **sampling,
+        **seeded(0),
     )
     [choice] = first.choices
     episode = Episode(prompt_token_ids=list(first.prompt_token_ids or []), server=client.base_url)
@@ -190,6 +197,7 @@ async def run_episode(
             logprobs=0,
             n=1,
             **sampling,
+            **seeded(episode.turns),
         )
         [choice] = response.choices
         logprobs = list(choice.logprobs.token_logprobs or []) if choice.logprobs else []

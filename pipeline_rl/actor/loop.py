@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -45,6 +46,14 @@ from pipeline_rl.tasks import Grader, Problem, compute_reward, make_task
 logger = logging.getLogger("pipeline_rl.actor")
 
 WAIT_REASONS = ("lag", "buffer")  # what gate_block can answer
+
+
+def request_seed(run_seed: int, prompt_index: int, part: int) -> int:
+    """The sampling seed of one request: a hash of the run's seed, the problem and which of its requests
+    (request_mode per_sample, or an episode) this is, so requests never share a random stream and a run
+    with the same seed asks for the same streams."""
+    digest = hashlib.blake2b(f"{run_seed}:{prompt_index}:{part}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # the engine takes seeds in [0, 2**63), and adds n - 1
 
 
 @dataclass
@@ -275,7 +284,7 @@ class Actor:
     async def _episodes(self, problem: Problem, group_id: str) -> tuple[list[Sample], list, dict]:
         """A multi-turn task's group: `attempts` episodes, each graded on all the model's text."""
         a = self.cfg.actor
-        played = await asyncio.gather(*(self._play(problem) for _ in range(a.attempts)))
+        played = await asyncio.gather(*(self._play(problem, i) for i in range(a.attempts)))
         grades = await asyncio.gather(*(self.grader.grade_async(problem, "".join(e.texts)) for e in played))
         budget = self.cfg.task.episode_token_budget
         samples = [
@@ -291,7 +300,9 @@ class Actor:
     async def _single_turn(self, problem: Problem, group_id: str) -> tuple[list[Sample], list]:
         a = self.cfg.actor
         parts = [a.attempts] if a.request_mode == "n" else [1] * a.attempts
-        done = await asyncio.gather(*(self._generate(problem.messages, n) for n in parts))
+        done = await asyncio.gather(
+            *(self._generate(problem.messages, n, self._seed(problem, i)) for i, n in enumerate(parts))
+        )
         completions = [c for part in done for c in part]
         grades = await asyncio.gather(*(self.grader.grade_async(problem, c.text) for c in completions))
         samples = [
@@ -312,7 +323,12 @@ class Actor:
         ]
         return samples, grades
 
-    async def _generate(self, messages: list[dict], n: int) -> list[Completion]:
+    def _seed(self, problem: Problem, part: int) -> int | None:
+        if not self.cfg.actor.seed_requests:
+            return None
+        return request_seed(self.cfg.seed, problem.prompt_index, part)
+
+    async def _generate(self, messages: list[dict], n: int, seed: int | None) -> list[Completion]:
         a = self.cfg.actor
 
         async def ask(server: Server) -> list[Completion]:
@@ -323,12 +339,13 @@ class Actor:
                 temperature=a.temperature,
                 top_p=a.top_p,
                 logprobs=True,
+                **({} if seed is None else {"seed": seed}),
             )
             return completions_of(response, n, server.url)
 
         return await self._on_a_server(ask)
 
-    async def _play(self, problem: Problem) -> Episode:
+    async def _play(self, problem: Problem, attempt: int) -> Episode:
         """One episode of a multi-turn task, on one server (a failed one: the whole episode again on
         another)."""
         a, t = self.cfg.actor, self.cfg.task
@@ -342,7 +359,13 @@ class Actor:
         async def play(server: Server) -> Episode:
             env = self.task.environment(problem)
             episode = await run_episode(
-                server.client, self.tokenizer, env, limits, sampling, self.cfg.inference.max_model_len
+                server.client,
+                self.tokenizer,
+                env,
+                limits,
+                sampling,
+                self.cfg.inference.max_model_len,
+                seed=self._seed(problem, attempt),
             )
             self.summary.tool_faults += len(env.faults)
             self.summary.episodes += 1

@@ -8,6 +8,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
     pipeline-rl bench shim                 # 5. shim vs vLLM's own OpenAI server, 1/8/64 concurrent
     pipeline-rl bench multihost            # 6. push fan-out to 1/2/4 simulated hosts over shaped links (root)
     pipeline-rl bench recovery             # 7. per fault kind: recovery time, throughput dip, samples lost
+    pipeline-rl bench trainer-step         # 8. one trainer step at the demo's sizes: phases, layouts, plain loop
     pipeline-rl bench all                  # every one, in that order, sharing servers
     pipeline-rl bench inflight streams     # several, sharing servers
     pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
@@ -75,6 +76,12 @@ def _pipeline_vs_sync(ctx: BenchContext) -> dict:
     return pipeline_vs_sync.run(ctx)
 
 
+def _trainer_step(ctx: BenchContext) -> dict:
+    from pipeline_rl.bench import trainer_step
+
+    return trainer_step.run(ctx)
+
+
 BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "weight-sync": _weight_sync,
     "inflight": _inflight,
@@ -83,6 +90,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "shim": _shim,
     "multihost": _multihost,
     "recovery": _recovery,
+    "trainer-step": _trainer_step,
 }
 
 

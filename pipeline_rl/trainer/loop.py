@@ -180,6 +180,7 @@ class Trainer:
             temperature=self.cfg.trainer.temperature,
             comm=self.comm,
             ref_model=self.ref_model,
+            layout=self.cfg.trainer.micro_batch_layout,
         )
         result.metrics["too_stale"] = len(stale.dropped_ids)
         if self.ledger is not None:

@@ -1,12 +1,15 @@
 """One optimizer step on one TrainingPackage: forward/backward of every micro-batch, then the step.
 
 Packed micro-batches: a micro-batch is all its samples concatenated into one [1, T] row with
-position_ids restarting at 0 for every sample and NO attention mask. Hugging Face models then build a
-block-diagonal causal mask from the position ids (transformers' packed-sequence detection: a position
-that does not follow its predecessor starts a new sequence), so no token attends across samples. The
-result equals running every sample on its own (tests/test_trainer.py checks it against separate
-forwards). The first token of every sample is never trained (labels_mask 0), so the logit at the end of
-one sample that "predicts" the next sample's first token never counts.
+position_ids restarting at 0 for every sample; every per-token tensor (logprobs, mask, advantages) is in
+that packed order. The model runs it either as right-padded rows, one per sample, with an attention mask
+(trainer.micro_batch_layout=padded, the default) or as the packed row itself with NO attention mask
+(packed): Hugging Face models then build a block-diagonal causal mask from the position ids
+(transformers' packed-sequence detection: a position that does not follow its predecessor starts a new
+sequence). Either way no token attends across samples, and the result equals running every sample on
+its own (tests/integration/test_trainer.py checks both layouts against separate forwards). The first
+token of every sample is never trained (labels_mask 0), so the logit at the end of one sample that
+"predicts" the next sample's first token never counts.
 
 Normalization: rl_loss gets the GLOBAL counts of the step (package.batch_samples / batch_tokens, over
 all ranks) so the accumulated gradient equals the gradient of one big batch; every rank's loss is
@@ -29,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -118,17 +122,47 @@ def drop_stale(
     return StaleDrop(filtered, all_ids)
 
 
-def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float):
-    """(logits[T-1, V], logprobs of tokens 1..T-1) of one packed [1, T] micro-batch."""
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-    logits = out.logits[0, :-1].float() / temperature
-    return logits, token_logprobs(logits, batch["input_ids"][0, 1:])
+Layout = Literal["padded", "packed"]
+
+
+def forward_logprobs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, layout: Layout = "padded"
+):
+    """(logits[T-1, V], logprobs of tokens 1..T-1) of one micro-batch, in its packed token order.
+
+    The model sees the micro-batch's samples either as the rows of a right-padded [B, L_max] batch with an
+    attention mask ("padded"), or as the packed [1, T] row itself ("packed"), from whose position ids
+    transformers builds a block-diagonal mask. Both give every token the same logits. With the sdpa
+    attention that mask is a dense [T, T] one, so a packed micro-batch costs attention over all T^2 pairs
+    where padded rows cost B * L_max^2: on CPU, forward + backward of the demo's 128 short samples took
+    4-7x longer packed into 4096-token rows than padded (docs/trainer.md, "Micro-batch layout").
+    """
+    ids = batch["input_ids"]
+    if layout == "packed":
+        logits = model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits[0]
+    else:
+        lengths = batch["lengths"]
+        width = int(lengths.max())
+        columns = torch.arange(width, device=ids.device)
+        valid = columns[None, :] < lengths[:, None]  # [B, L_max]: row b holds sample b's tokens
+        rows = torch.zeros(valid.shape, dtype=ids.dtype, device=ids.device)
+        rows[valid] = ids[0]  # row-major order is the packed order
+        out = model(
+            input_ids=rows,
+            attention_mask=valid.long(),
+            position_ids=columns.expand(valid.shape),
+            use_cache=False,
+        )
+        logits = out.logits[valid]  # [T, V], back in packed order
+    logits = logits[:-1].float() / temperature
+    return logits, token_logprobs(logits, ids[0, 1:])
 
 
 def micro_batch_tensors(micro_batch, device: torch.device) -> dict[str, torch.Tensor]:
     packed = collate_micro_batch(micro_batch)
     row = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
     out = {k: torch.tensor([v], dtype=torch.long, device=device) for k, v in row.items()}
+    out["lengths"] = torch.tensor([len(s.input_ids) for s in micro_batch], dtype=torch.long, device=device)
     # Per-token fields aligned with logprobs: token t+1 is scored by position t, so drop the first.
     out["mask"] = torch.tensor(packed.labels_mask[1:], dtype=torch.bool, device=device)
     out["advantages"] = torch.tensor(packed.advantages[1:], dtype=torch.float32, device=device)
@@ -152,11 +186,13 @@ def train_step(
     temperature: float,
     comm: Comm,
     ref_model: torch.nn.Module | None = None,
+    layout: Layout = "padded",
 ) -> StepResult:
     """Forward/backward over the package's micro-batches and one optimizer step (collective).
 
     `step` is the step being taken (1-based): the weights in use are version step-1, which is what the
-    lag of a trained token is measured against.
+    lag of a trained token is measured against. `layout`: how the model sees a micro-batch
+    (forward_logprobs).
     """
     sums = _Sums()
     started = time.perf_counter()
@@ -168,12 +204,12 @@ def train_step(
         t1 = time.perf_counter()
         phase["collate_s"] += t1 - t0
         with strategy.micro_step(last=i == n - 1):
-            logits, new_lp = forward_logprobs(strategy.model, batch, temperature)
+            logits, new_lp = forward_logprobs(strategy.model, batch, temperature, layout)
             entropy = token_entropy(logits) if algo.entropy_coef > 0 else None
             ref = batch.get("ref_logprobs")
             if ref is None and ref_model is not None:
                 with torch.no_grad():
-                    ref = forward_logprobs(ref_model, batch, temperature)[1]
+                    ref = forward_logprobs(ref_model, batch, temperature, layout)[1]
             loss, m = rl_loss(
                 new_lp,
                 batch["old_logprobs"],

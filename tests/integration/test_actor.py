@@ -42,6 +42,7 @@ from pipeline_rl.actor import (
     TrainerStalled,
     completions_of,
     gate_block,
+    request_seed,
     run_actor,
 )
 from pipeline_rl.config import RunConfig
@@ -167,6 +168,13 @@ def test_total_written_counts_every_writer_and_survives_trimming(backend, redis_
     b.write(events[4])
     assert a.trim() > 0 and a.length() < 5
     assert a.total_written() == b.total_written() == 5
+
+
+def test_request_seeds_are_stable_distinct_and_leave_room_for_n() -> None:
+    seeds = {(r, p, k): request_seed(r, p, k) for r in (0, 1) for p in range(50) for k in range(8)}
+    assert len(set(seeds.values())) == len(seeds)  # no two requests share a random stream
+    assert all(request_seed(*key) == seed for key, seed in seeds.items())  # same inputs, same seed
+    assert all(0 <= s and s + 255 < 2**63 for s in seeds.values())  # choice i of n is sampled with s + i
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -420,6 +428,12 @@ def test_a_restarted_actor_never_repeats_an_id_of_its_previous_life(servers, red
     sample_ids = [s.sample_id for g in groups for s in g.samples]
     assert len(set(group_ids)) == 4 and len(set(sample_ids)) == 8, group_ids
     assert len({g.incarnation for g in groups}) == 2
+    # Seeded requests (actor.seed_requests, the default): a prompt sampled again from the same weights
+    # gives the same tokens, so the two lives' groups for a prompt are identical.
+    lives: dict[int, list] = {}
+    for g in groups:
+        lives.setdefault(g.prompt_index, []).append([s.completion_token_ids for s in g.samples])
+    assert all(first == second for first, second in lives.values()), lives
     from pipeline_rl.ledger import ledger_dir, ledger_summary
 
     assert len(list(ledger_dir(cfg.run_dir).glob("actor0-*.jsonl"))) == 2  # one file per life

@@ -23,7 +23,7 @@ from pipeline_rl.bench.run import _expand
 from pipeline_rl.simhosts import available
 
 REPO = Path(__file__).resolve().parents[2]
-BENCHMARKS = ["weight-sync", "inflight", "streams", "shim", "multihost"]
+BENCHMARKS = ["weight-sync", "inflight", "streams", "shim", "multihost", "trainer-step"]
 # A header cell every benchmark's main table has, to check the table itself was printed and written.
 TABLE_MARKERS = {
     "weight-sync": "| push / gloo",
@@ -31,6 +31,7 @@ TABLE_MARKERS = {
     "streams": "| stream µs / sample",
     "shim": "| shim ms p50",
     "multihost": "| push / link",
+    "trainer-step": "| plain loop / step",
 }
 PLOTS = ["weight-sync.png", "inflight.png", "shim.png"]
 
@@ -60,7 +61,7 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nHand-written text that must survive.\n")
     img, out = tmp_path / "img", tmp_path / "out"
-    # One invocation for all five, so they share servers: three vLLM-CPU engines start once, in parallel
+    # One invocation for all six, so they share servers: three vLLM-CPU engines start once, in parallel
     # (multihost starts its own capture servers on simulated hosts; as non-root it writes a skipped section).
     # (pipeline-vs-sync runs whole RL runs through the launcher: its measurement is unit-tested below
     # on a written run directory, and the launcher's sync and pipelined runs by tests/test_launcher.py.)
@@ -76,7 +77,7 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
         body = text.split(start)[1].split(end)[0]
         assert TABLE_MARKERS[name] in body, f"{name}: no table in its doc section"
         assert TABLE_MARKERS[name] in result.stdout, f"{name}: table not printed"
-        assert "pipeline-rl bench weight-sync inflight streams shim multihost --quick" in body, (
+        assert "pipeline-rl bench weight-sync inflight streams shim multihost trainer-step --quick" in body, (
             f"{name}: no command"
         )
         assert "**Goal" in body, f"{name}: no goal status"

@@ -210,16 +210,20 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------ tests
-def test_packed_micro_batch_logprobs_equal_separate_forwards(tiny_model, tmp_path):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_packed_micro_batch_logprobs_equal_separate_forwards(tiny_model, tmp_path, layout):
     cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
     samples = [
         s for g in make_groups(tiny_model, 2, seed=0) for s in group_to_training_samples(g, cfg.preprocess)
     ]
     micro_batch = samples[:5]
+    assert len({len(s.input_ids) for s in micro_batch}) > 1  # padded rows of different lengths
     model = _model(tiny_model)
     with torch.no_grad():
-        _, packed = forward_logprobs(model, micro_batch_tensors(micro_batch, CPU), 1.0)
-        separate = [forward_logprobs(model, micro_batch_tensors([s], CPU), 1.0)[1] for s in micro_batch]
+        _, packed = forward_logprobs(model, micro_batch_tensors(micro_batch, CPU), 1.0, layout)
+        separate = [
+            forward_logprobs(model, micro_batch_tensors([s], CPU), 1.0, "packed")[1] for s in micro_batch
+        ]
     # Packed row: sample k's tokens 1.. follow the one junction position, whose logprob is never trained.
     expected, offset = [], 0
     mask = micro_batch_tensors(micro_batch, CPU)["mask"]

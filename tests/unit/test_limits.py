@@ -193,6 +193,12 @@ def test_bad_generation_input_is_4xx():
                     422,
                     "invalid_request",
                 )
+            # n = 2 samples choice 1 with seed + 1, which would overflow the engine's generator.
+            _is_error(
+                await c.post("/v1/completions", json={"prompt": [1], "seed": 2**63 - 1, "n": 2}),
+                422,
+                "invalid_request",
+            )
             _is_error(await c.post("/v1/completions", json={"prompt": [1], "n": 3}), 400, "limit_exceeded")
             _is_error(await c.post("/v1/completions", json={"prompt": []}), 400, "empty_prompt")
             join = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 3, "world_size": 2}
