@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -105,13 +107,16 @@ def create_app(
     async def lifespan(app: FastAPI):
         await backend.start()
         log.info("engine ready: %s", backend.capabilities().model_dump_json())
+        watchdog = asyncio.create_task(_watch_engine(backend, app))
         try:
             yield
         finally:
+            watchdog.cancel()
             await backend.stop()
             tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pipeline-rl inference shim", lifespan=lifespan)
+    app.state.engine_failure = None  # set by _watch_engine; serve() then exits non-zero
     # Outermost first: count every answer (the guard's 401/413/503 included), then the guard.
     app.add_middleware(
         GuardMiddleware,
@@ -403,6 +408,23 @@ def make_backend(cfg: ServeConfig, engine_options: dict, metrics: ShimMetrics) -
     return SglangBackend(SglangOptions(**engine_options), metrics)
 
 
+ENGINE_WATCH_S = 1.0
+
+
+async def _watch_engine(backend: Backend, app: FastAPI) -> None:
+    """Once the engine has died, stop the server (SIGTERM to itself: uvicorn's graceful shutdown) so
+    that it exits non-zero and a supervisor restarts it; a live process whose engine is gone would
+    answer 503 forever."""
+    while True:
+        await asyncio.sleep(ENGINE_WATCH_S)
+        failure = backend.engine_failure()
+        if failure is not None:
+            log.error("%s: stopping this server so that it can be restarted", failure)
+            app.state.engine_failure = failure
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
 def serve(cfg: ServeConfig, engine_options: dict) -> None:
     """Run the server until SIGINT/SIGTERM (blocking)."""
     import uvicorn
@@ -415,3 +437,5 @@ def serve(cfg: ServeConfig, engine_options: dict) -> None:
     backend.awaiting_weights = cfg.await_weights
     app = create_app(backend, metrics, cfg.token, cfg.limits, cfg.api_key)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    if app.state.engine_failure is not None:
+        raise SystemExit(f"inference server stopped: {app.state.engine_failure}")

@@ -117,6 +117,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def health(self) -> HealthResponse: ...
 
+    def engine_failure(self) -> str | None:
+        """Why the engine can never generate again (it died), or None. The server exits non-zero when
+        this is set, so a supervisor restarts it rather than leaving a live process that answers 503."""
+        return None
+
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 

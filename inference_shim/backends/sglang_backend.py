@@ -100,6 +100,10 @@ class SglangBackend(Backend):
         await self.process.stop()
 
     # ------------------------------------------------------------------ introspection
+    def engine_failure(self) -> str | None:
+        code = self.process.exit_code() if self.client is not None else None
+        return None if code is None else f"the SGLang child process exited with {code}"
+
     def health(self) -> HealthResponse:
         if self.client is None or self.process.proc is None:
             return HealthResponse(status="starting", weight_version=self.version)

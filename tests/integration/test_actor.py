@@ -615,3 +615,22 @@ def test_a_killed_server_loses_and_duplicates_nothing(servers, redis_server) -> 
     late = [g for g in groups if g.created_at > killed_at + 1.0]
     assert late and all(s.server == servers[0].url for g in late for s in g.samples)
     stop_process_tree(victim.proc, grace_s=1)
+
+
+@pytest.mark.slow
+def test_a_server_whose_engine_dies_exits_nonzero_for_its_supervisor(server_pool) -> None:
+    """kill -9 of the vLLM engine process under a live shim: the shim must not stay up answering 503
+    forever, but exit non-zero naming the cause, so the launcher restarts it like a killed server.
+    Uses the pool directly (server 0), so the server the test above killed is not restarted for it."""
+    import psutil
+
+    victim = server_pool[0]
+    children = psutil.Process(victim.proc.pid).children(recursive=True)
+    engines = [c for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+    assert engines, [(c.pid, c.name(), c.cmdline()[:3]) for c in children]
+    engines[0].kill()
+    code = victim.proc.wait(timeout=60)
+    assert code not in (0, None), code
+    log = victim.log.read_text(errors="replace")
+    assert "the vLLM engine died" in log and "stopping this server so that it can be restarted" in log
+    stop_process_tree(victim.proc, grace_s=1)

