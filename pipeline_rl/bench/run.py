@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py); multihost uses the first",
     )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
+    g = p.add_argument_group("pipeline-vs-sync")
+    g.add_argument(
+        "--seeds", type=int, default=None, help="runs per mode, seeds 0..N-1 (default 3; 1 with --quick)"
+    )
+    g.add_argument(
+        "--run-s", type=int, default=None, help="wall seconds of each run (default 300; 60 with --quick)"
+    )
     g = p.add_argument_group("multihost")
     g.add_argument(
         "--hosts",
@@ -176,6 +183,8 @@ def _options(args: argparse.Namespace) -> dict:
         "hosts": ints(args.hosts),
         "rates": args.rates.split(",") if args.rates else None,
         "chunk_kib": args.chunk_kib,
+        "seeds": args.seeds,
+        "run_s": args.run_s,
     }
     return {k: v for k, v in options.items() if v is not None}
 

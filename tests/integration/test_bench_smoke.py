@@ -93,11 +93,12 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-4:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-5:] == [
         "streams",
         "shim",
         "multihost",
         "recovery",
+        "trainer-step",
     ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"
 
