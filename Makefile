@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-unit test-integration test-long test-fast demo demo-calc bench lint format
+.PHONY: setup test test-unit test-integration test-long test-fast demo demo-calc demo-long bench lint format
 
 setup:
 	bash scripts/setup.sh
@@ -35,6 +35,10 @@ demo: setup
 # The multi-turn recipe: multiplication with a calculator tool (docs/tasks.md, "calc").
 demo-calc: setup
 	$(PY) -m pipeline_rl.cli demo --recipe calc
+
+# The long-answer recipe: sums with written running sums, 18-280 tokens per answer (docs/tasks.md, "chainsum").
+demo-long: setup
+	$(PY) -m pipeline_rl.cli demo --recipe chainsum
 
 bench: setup
 	$(PY) -m pipeline_rl.cli bench all

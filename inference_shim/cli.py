@@ -1,6 +1,6 @@
 """The inference server's command line: one HTTP contract in front of an engine.
 
-    python -m inference_shim --model DIR [--port 8000] [--backend vllm|sglang|capture] [--token T]
+    python -m inference_shim --model DIR [--port 8000] [--backend vllm|sglang|torch|capture] [--token T]
     pipeline-rl serve ...          (the same flags: that command delegates here)
 
 Heavy modules (torch, vLLM, FastAPI) are imported only once the flags are parsed, so --help is instant.
@@ -50,7 +50,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The server's flags, on `p` (this module's parser, and `pipeline-rl serve`)."""
     p.add_argument(
         "--backend",
-        choices=["vllm", "sglang", "capture"],
+        choices=["vllm", "sglang", "torch", "capture"],
         default="vllm",
         help="engine behind the contract; capture: receive weight pushes only, no engine (tests, dry runs)",
     )
@@ -166,15 +166,20 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_model_len = resolve_max_model_len(args.model, args.max_model_len)
     except ValueError as e:
         raise SystemExit(f"pipeline-rl serve: {e}") from None
-    return {
+    common = {
         "model": args.model,
         "served_model_name": args.served_model_name,
         "dtype": args.dtype,
         "max_model_len": max_model_len,
         "max_num_seqs": args.max_num_seqs,
-        "tensor_parallel_size": args.tensor_parallel_size,
         "seed": args.seed,
         "kv_after_update": args.kv_after_update,
+    }
+    if args.backend == "torch":
+        return common
+    return {
+        **common,
+        "tensor_parallel_size": args.tensor_parallel_size,
         **tools,
     }
 

@@ -51,8 +51,10 @@ log = logging.getLogger("inference_shim")
 class ServeConfig(BaseModel):
     """Flags of `pipeline-rl serve`."""
 
-    backend: Literal["vllm", "sglang", "capture"] = Field(
-        default="vllm", description="Engine behind the contract (capture: receive weights only, no engine)."
+    backend: Literal["vllm", "sglang", "torch", "capture"] = Field(
+        default="vllm",
+        description="Engine behind the contract (torch: plain torch + transformers, for tiny models and "
+        "machines without vLLM; capture: receive weights only, no engine).",
     )
     host: str = Field(default="127.0.0.1", description="Bind address; loopback unless you mean to expose it.")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port.")
@@ -399,6 +401,10 @@ def make_backend(cfg: ServeConfig, engine_options: dict, metrics: ShimMetrics) -
         from inference_shim.backends.vllm_backend import VllmBackend, VllmOptions
 
         return VllmBackend(VllmOptions(**engine_options), metrics)
+    if cfg.backend == "torch":
+        from inference_shim.backends.torch_backend import TorchBackend, TorchOptions
+
+        return TorchBackend(TorchOptions(**engine_options), metrics)
     if cfg.backend == "capture":
         from inference_shim.backends.capture_backend import CaptureBackend, CaptureOptions
 

@@ -28,8 +28,10 @@ class _Section(BaseModel):
 class InferenceConfig(_Section):
     """Inference servers the launcher starts (or points at)."""
 
-    backend: Literal["vllm", "sglang"] = Field(
-        "vllm", description="Engine behind the shim; nothing else changes."
+    backend: Literal["vllm", "sglang", "torch"] = Field(
+        "vllm",
+        description="Engine behind the shim; nothing else changes (torch: plain torch + transformers, "
+        "fastest for tiny models on CPU).",
     )
     num_servers: int = Field(1, ge=1, description="Servers to start (one engine each).")
     urls: list[str] = Field(
@@ -151,14 +153,16 @@ class EvalConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    """Which GPUs each process of this node gets (platform=gpu; the map is printed at start)."""
+    """Which GPUs and cores each process of this node gets (the map is printed at start)."""
 
     num_gpus: int | None = Field(
         None, ge=0, description="GPUs of this node; unset: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`."
     )
     colocate: bool = Field(
         False,
-        description="Let servers share the trainer ranks' GPUs when there are too few for one each.",
+        description="Servers share the trainer's resources: on GPU they may wrap onto the trainer ranks' "
+        "GPUs when there are too few for one each; on CPU the trainer and every server get all the "
+        "node's cores (for mode=sync, where only one of them works at a time).",
     )
 
 

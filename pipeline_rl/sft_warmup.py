@@ -31,10 +31,14 @@ from pipeline_rl.tasks import Problem, TaskConfig, arith_solution_text, make_tas
 ANSWER_STYLES = ("answer", "signed")
 
 
-def styled_answer(problem: Problem, style: str) -> str:
-    canonical = arith_solution_text(problem)
+def styled_answer(problem: Problem, style: str, task=None) -> str:
+    """The task's worked answer (`task.solution_text`, else arith's `answer: N`) in `style`; the
+    signed style changes only the final `answer: `."""
+    solution_text = getattr(task, "solution_text", None)
+    canonical = solution_text(problem) if solution_text else arith_solution_text(problem)
     if style == "signed" and not problem.answer.startswith("-"):
-        return canonical.replace("answer: ", "answer: +", 1)
+        head, sep, tail = canonical.rpartition("answer: ")
+        return head + sep + "+" + tail
     return canonical
 
 
@@ -191,7 +195,7 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
                 rows.append(_encode_conversation(tokenizer, demonstrate(problem)))
                 continue
             style = style_rng.choices(styles, weights)[0]
-            seq, prompt_len = _encode(tokenizer, problem, styled_answer(problem, style))
+            seq, prompt_len = _encode(tokenizer, problem, styled_answer(problem, style, task))
             rows.append((seq, [False] * prompt_len + [True] * (len(seq) - prompt_len)))
         width = max(len(r[0]) for r in rows)
         ids = torch.full((len(rows), width), tokenizer.pad_token_id)

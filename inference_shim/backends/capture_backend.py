@@ -3,8 +3,8 @@
     python -m inference_shim --backend capture --model artifacts/tiny-arith --port 8100 [--capture-dir DIR]
     # then point a trainer at it: inference.urls=[http://127.0.0.1:8100]
 
-It joins the trainer's weight group as one real gloo peer and receives with the vLLM worker's own code
-(vllm_worker.receive_update), checks every update like every backend (base.validate_update: names,
+It joins the trainer's weight group as one real gloo peer and receives in the shim's process
+(staged_receive.StagedReceive, the vLLM worker's own receive code), checks every update like every backend (base.validate_update: names,
 shapes, dtypes, version, restore) and keeps the tensors of the last applied update (`received`) and the
 history of versions (`history`). With --capture-dir they are also written out after every update:
 DIR/weights.safetensors (replaced atomically) and one line per update in DIR/history.jsonl.
@@ -15,10 +15,8 @@ pushed with what it holds. It cannot generate (501), so actors must never be poi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,17 +26,14 @@ from pydantic import BaseModel, Field
 
 from inference_shim.backends.base import Backend
 from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, served_name
-from inference_shim.backends.join import join_weight_group
+from inference_shim.backends.staged_receive import StagedReceive
 from inference_shim.metrics import ShimMetrics
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     Capabilities,
-    GroupState,
     HealthResponse,
-    InitProcessGroupRequest,
     UpdateResult,
     WeightUpdateRequest,
-    WorkerReceipt,
 )
 
 
@@ -55,7 +50,7 @@ class CaptureOptions(BaseModel):
     )
 
 
-class CaptureBackend(Backend):
+class CaptureBackend(StagedReceive, Backend):
     name = "capture"
 
     def __init__(self, options: CaptureOptions, metrics: ShimMetrics) -> None:
@@ -63,9 +58,6 @@ class CaptureBackend(Backend):
         self.options = options
         self.received: dict[str, torch.Tensor] = {}  # the last applied update, by checkpoint name
         self.history: list[dict] = []  # one entry per applied update: version, restore, time
-        self._weight_group = None  # inference_shim.transfer.WeightGroup once joined
-        self._receiving: asyncio.Future | None = None
-        self._staged: list[tuple[str, torch.Tensor]] | None = None
 
     @property
     def model_name(self) -> str:
@@ -118,42 +110,7 @@ class CaptureBackend(Backend):
         raise _cannot_generate()
 
     # ------------------------------------------------------------------ update hooks (base.Backend)
-    async def _join_group(self, req: InitProcessGroupRequest, timeout_s: float) -> list[int]:
-        group = await asyncio.to_thread(
-            join_weight_group,
-            self.store,
-            rank=req.rank_offset,
-            world_size=req.world_size,
-            backend=req.backend,
-            group_name=req.group_name,
-            timeout_s=timeout_s,
-        )
-        group.timeout_s = req.timeout_s  # per collective from now on
-        self._weight_group = group
-        return [req.rank_offset]
-
-    async def _leave_group(self, group: GroupState) -> None:
-        self._weight_group = None
-
-    async def _arm_receive(self, req: WeightUpdateRequest) -> None:
-        from inference_shim.vllm_worker import receive_update
-
-        group = self._weight_group
-        args = (group, req.version, req.update_id, req.tensors, req.bucket_bytes, req.timeout_s)
-        self._staged = None
-        self._receiving = _in_daemon_thread(
-            lambda: receive_update(
-                *args, token=self.token, fanout=req.fanout, chunk_bytes=req.fanout_chunk_bytes
-            )
-        )
-
-    async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
-        receipt: WorkerReceipt
-        receipt, self._staged = await self._receiving
-        if not receipt.ok:
-            raise RuntimeError(f"receiving failed: {receipt.error}")
-        result.receive_seconds, result.total_bytes = receipt.receive_seconds, receipt.bytes
-
+    # Joining, receiving and discarding: StagedReceive.
     async def _apply(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
         start = time.perf_counter()
         received = {name: tensor.clone() for name, tensor in self._staged}
@@ -164,30 +121,12 @@ class CaptureBackend(Backend):
         self.history.append(entry)
         result.apply_seconds = time.perf_counter() - start
 
-    async def _discard(self) -> None:
-        self._staged = None
-
     def _partially_applied(self, applying: bool) -> bool:
         return False  # applying swaps one dict: all or nothing
 
 
 def _cannot_generate() -> ContractError:
     return ContractError(501, "not_supported", "the capture backend receives weights; it cannot generate")
-
-
-def _in_daemon_thread(fn) -> asyncio.Future:
-    """fn() in a daemon thread (never raising): a receive blocked on a trainer that went away must
-    not hold up the shim's exit, as a thread of asyncio's default executor would."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def run() -> None:
-        result = fn()
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
-
-    threading.Thread(target=run, name="capture-receive", daemon=True).start()
-    return future
 
 
 def _write_capture(directory: Path, tensors: dict[str, torch.Tensor], entry: dict) -> None:

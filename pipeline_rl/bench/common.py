@@ -15,6 +15,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -241,3 +242,18 @@ def publish(ctx: BenchContext, name: str, markdown: str) -> None:
     print("\n" + markdown, flush=True)
     update_doc_section(ctx.doc_path, name, markdown)
     ctx.log(f"wrote section '{name}' of {ctx.doc_path}")
+
+
+def run_to_end(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict | None = None) -> int:
+    """Run a benchmark's child (a whole RL run, TRL) in its own session from the repository root, output
+    to log_path; its exit code. A timeout, Ctrl-C or SIGTERM of the benchmark stops the child's whole
+    process tree first (a run left behind would skew every measurement after it)."""
+    from inference_shim.procs import start_child, stop_process_tree
+
+    proc = start_child(cmd, env=env, log_path=log_path, cwd=REPO_ROOT, append_log=False)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return 124
+    finally:
+        stop_process_tree(proc, grace_s=30)

@@ -22,6 +22,7 @@ SIZES: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),  # ~0.3 MB: smoke tests
     "10mb": TinyModelSpec(hidden_size=256, num_heads=4, num_layers=3, intermediate_size=1024),
     "100mb": TinyModelSpec(hidden_size=768, num_heads=12, num_layers=3, intermediate_size=3072),
+    "400mb": TinyModelSpec(hidden_size=768, num_heads=12, num_layers=12, intermediate_size=3072),
     # 15 blocks of 768: a realistic number of tensors per byte (~180 tensors), not a few huge ones.
     "500mb": TinyModelSpec(hidden_size=768, num_heads=12, num_layers=15, intermediate_size=3072),
 }

@@ -9,6 +9,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
     pipeline-rl bench multihost            # 6. push fan-out to 1/2/4 simulated hosts over shaped links (root)
     pipeline-rl bench recovery             # 7. per fault kind: recovery time, throughput dip, samples lost
     pipeline-rl bench trainer-step         # 8. one trainer step at the demo's sizes: phases, layouts, plain loop
+    pipeline-rl bench vs-trl               # 9. TRL's GRPOTrainer vs our pipelined and sync modes (own venv)
     pipeline-rl bench all                  # every one, in that order, sharing servers
     pipeline-rl bench inflight streams     # several, sharing servers
     pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
@@ -76,6 +77,12 @@ def _pipeline_vs_sync(ctx: BenchContext) -> dict:
     return pipeline_vs_sync.run(ctx)
 
 
+def _vs_trl(ctx: BenchContext) -> dict:
+    from pipeline_rl.bench import vs_trl
+
+    return vs_trl.run(ctx)
+
+
 def _trainer_step(ctx: BenchContext) -> dict:
     from pipeline_rl.bench import trainer_step
 
@@ -91,6 +98,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "multihost": _multihost,
     "recovery": _recovery,
     "trainer-step": _trainer_step,
+    "vs-trl": _vs_trl,
 }
 
 
@@ -136,15 +144,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sizes",
         default=None,
-        help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py); multihost uses the first",
+        help="model sizes, e.g. 10mb,100mb,500mb (pipeline_rl/bench/models.py); multihost uses the first; "
+        "vs-trl: demo,25m,100m",
     )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
-    g = p.add_argument_group("pipeline-vs-sync")
+    g = p.add_argument_group("pipeline-vs-sync, vs-trl")
     g.add_argument(
         "--seeds", type=int, default=None, help="runs per mode, seeds 0..N-1 (default 3; 1 with --quick)"
     )
     g.add_argument(
-        "--run-s", type=int, default=None, help="wall seconds of each run (default 300; 60 with --quick)"
+        "--run-s",
+        type=int,
+        default=None,
+        help="wall seconds of each run (default 300, vs-trl 200; 60 / 20 with --quick)",
+    )
+    g.add_argument(
+        "--recipe",
+        default=None,
+        choices=["arith", "chainsum"],
+        help="pipeline-vs-sync: the demo recipe to run (default arith; chainsum: long answers)",
+    )
+    g.add_argument(
+        "--systems",
+        default=None,
+        help="vs-trl: trl and our launch variants to compare (pipeline_vs_sync.VARIANTS), "
+        "default pipeline,pipeline-torch,sync-colocated,trl",
     )
     g = p.add_argument_group("multihost")
     g.add_argument(
@@ -185,6 +209,8 @@ def _options(args: argparse.Namespace) -> dict:
         "chunk_kib": args.chunk_kib,
         "seeds": args.seeds,
         "run_s": args.run_s,
+        "recipe": args.recipe,
+        "systems": args.systems.split(",") if args.systems else None,
     }
     return {k: v for k, v in options.items() if v is not None}
 

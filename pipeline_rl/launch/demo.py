@@ -7,7 +7,8 @@
 
 Extra key=value arguments go to the launcher (e.g. `pipeline-rl demo mode=sync`).
 `pipeline-rl demo --recipe calc [key=value ...]` runs the multi-turn task with a calculator tool instead
-(artifacts/tiny-calc).
+(artifacts/tiny-calc); `--recipe chainsum` the long-answer task (artifacts/tiny-chainsum, answers of
+~18-280 tokens).
 """
 
 from __future__ import annotations
@@ -97,23 +98,65 @@ CALC_OVERRIDES = [
 ]
 
 
+# `--recipe chainsum`: sums of 2-30 one-digit terms with every running sum written out
+# (pipeline_rl/tasks/chainsum.py): answers of ~18-280 tokens, most short, a long tail, so generation -
+# and its stragglers - dominates a step, as in real reasoning RL. Same model shape as the demo with room
+# for 512 positions. The warm-up writes 80% of final answers as `answer: +N` (the demo's format gap),
+# so RL has a reward signal to climb from the first step, while the running sums give it long answers.
+LONG_MODEL = DEMO_MODEL.model_copy(update={"max_position_embeddings": 512})
+CHAINSUM_TASK = TaskConfig(
+    name="chainsum", chainsum_min_terms=2, chainsum_max_terms=30, chainsum_max_operand=9
+)
+CHAINSUM_WARMUP = WarmupConfig(
+    steps=600,
+    batch_size=32,
+    learning_rate=3e-3,
+    answer_styles={"answer": 0.2, "signed": 0.8},
+    eval_problems=100,
+    eval_max_tokens=320,
+)
+CHAINSUM_OVERRIDES = [
+    f"max_wall_s={DEMO_WALL_S}",
+    "trainer.max_steps=100000",
+    "task.name=chainsum",
+    f"task.chainsum_min_terms={CHAINSUM_TASK.chainsum_min_terms}",
+    f"task.chainsum_max_terms={CHAINSUM_TASK.chainsum_max_terms}",
+    f"task.chainsum_max_operand={CHAINSUM_TASK.chainsum_max_operand}",
+    "trainer.learning_rate=1e-4",
+    "trainer.batch_size=64",
+    "preprocess.drop_all_equal_groups=true",
+    "actor.max_lag=2",
+    "actor.max_buffered_groups=32",
+    "actor.max_tokens=320",
+    "inference.max_model_len=512",
+    "eval.num_problems=100",
+    "eval.max_tokens=320",
+    "eval.every_s=60",
+]
+
+
 @dataclass(frozen=True)
 class Recipe:
     model_dir: str  # under artifacts/
     task: TaskConfig
     warmup: WarmupConfig
     overrides: list[str]
+    model: TinyModelSpec
+    base_dir: str  # the untrained model, under artifacts/
 
 
 RECIPES = {
-    "arith": Recipe("tiny-arith", DEMO_TASK, DEMO_WARMUP, DEMO_OVERRIDES),
-    "calc": Recipe("tiny-calc", CALC_TASK, CALC_WARMUP, CALC_OVERRIDES),
+    "arith": Recipe("tiny-arith", DEMO_TASK, DEMO_WARMUP, DEMO_OVERRIDES, DEMO_MODEL, "tiny-base"),
+    "calc": Recipe("tiny-calc", CALC_TASK, CALC_WARMUP, CALC_OVERRIDES, DEMO_MODEL, "tiny-base"),
+    "chainsum": Recipe(
+        "tiny-chainsum", CHAINSUM_TASK, CHAINSUM_WARMUP, CHAINSUM_OVERRIDES, LONG_MODEL, "tiny-base-512"
+    ),
 }
 
 
 def _recipe_hash(recipe: Recipe) -> str:
     described = {
-        "model": DEMO_MODEL.model_dump(),
+        "model": recipe.model.model_dump(),
         "task": recipe.task.model_dump(),
         "warmup": recipe.warmup.model_dump(),
     }
@@ -131,14 +174,14 @@ def _accuracies(info: dict) -> str:
 
 def prepare_model(recipe: Recipe = RECIPES["arith"]) -> Path:
     """The warmed-up demo model of a recipe, rebuilt only when the recipe changed."""
-    base, warmed = ARTIFACTS / "tiny-base", ARTIFACTS / recipe.model_dir
+    base, warmed = ARTIFACTS / recipe.base_dir, ARTIFACTS / recipe.model_dir
     stamp = warmed / "recipe.sha"
     if stamp.exists() and stamp.read_text().strip() == _recipe_hash(recipe):
         info = json.loads((warmed / "warmup.json").read_text())
         print(f"warmed-up model cached in {warmed} ({_accuracies(info)})", flush=True)
         return warmed
     print(f"building the tiny model in {base}", flush=True)
-    build_tiny_model(base, DEMO_MODEL)
+    build_tiny_model(base, recipe.model)
     print(f"supervised warm-up on {recipe.task.name} ({recipe.warmup.steps} steps)...", flush=True)
     info = warm_up(base, warmed, recipe.task, recipe.warmup)
     print(f"warm-up done in {info['seconds']:.0f}s: {_accuracies(info)}", flush=True)

@@ -117,11 +117,17 @@ def place_cores(cfg: RunConfig, share: NodeShare) -> dict[str, list[int] | None]
     the node's servers share the rest (each its own slice when there are enough); light processes
     (actors, preprocessors, redis) float. On a GPU box the same split applies to host threads while
     CUDA_VISIBLE_DEVICES picks the devices.
+
+    placement.colocate=true gives the trainer and every server all the node's cores (the trainer's
+    torch threads and each engine's OpenMP threads span the machine): what a synchronous run wants,
+    where only one of them works at a time (verl's hybrid engine, TRL).
     """
     cores = share.cores if share.cores is not None else sorted(os.sched_getaffinity(0))
     servers = [f"server{i}" for i in share.servers]
     if len(cores) < 2:
         return {"trainer": None, **{name: None for name in servers}}
+    if cfg.placement.colocate:
+        return {"trainer": cores if share.trainer else None, **{name: cores for name in servers}}
     if not servers:
         return {"trainer": cores}
     trainer_cores = cores[: max(1, len(cores) // 2)] if share.trainer else []

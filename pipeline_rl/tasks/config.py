@@ -23,14 +23,21 @@ class TaskConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["arith", "calc", "gsm8k", "math"] = Field(
-        default="arith", description="Task to train and evaluate on (calc: multi-turn, with a tool)."
+    name: Literal["arith", "chainsum", "calc", "gsm8k", "math"] = Field(
+        default="arith",
+        description="Task to train and evaluate on (chainsum: long written answers; calc: multi-turn, "
+        "with a tool).",
     )
     arith_num_operands: int = Field(default=2, ge=2, le=8, description="arith: operands per expression.")
     arith_max_operand: int = Field(default=99, ge=1, description="arith: operands are drawn from 0..this.")
     arith_operators: str = Field(
         default="+-", description="arith: operators to draw from, a subset of '+-*'."
     )
+    chainsum_min_terms: int = Field(default=2, ge=2, description="chainsum: fewest terms of a sum.")
+    chainsum_max_terms: int = Field(
+        default=30, ge=2, description="chainsum: most terms of a sum (~10 answer tokens per term)."
+    )
+    chainsum_max_operand: int = Field(default=9, ge=1, description="chainsum: terms are drawn from 0..this.")
     calc_max_operand: int = Field(default=999, ge=10, description="calc: factors are drawn from 0..this.")
     episode_max_turns: int = Field(default=3, ge=1, description="Multi-turn tasks: model turns per episode.")
     episode_token_budget: int = Field(
@@ -57,6 +64,11 @@ class TaskConfig(BaseModel):
             check_difficulty(
                 self.arith_num_operands, self.arith_max_operand, self.arith_operators, self.test_size
             )
+        if self.name == "chainsum" and self.chainsum_min_terms > self.chainsum_max_terms:
+            raise ValueError(
+                f"task.chainsum_min_terms={self.chainsum_min_terms} is more than "
+                f"task.chainsum_max_terms={self.chainsum_max_terms}"
+            )
         return self
 
 
@@ -64,6 +76,12 @@ def make_task(cfg: TaskConfig) -> Task:
     """Build the configured task (loading gsm8k/math data from local files)."""
     if cfg.name == "arith":
         return ArithTask(cfg.arith_num_operands, cfg.arith_max_operand, cfg.arith_operators, cfg.test_size)
+    if cfg.name == "chainsum":
+        from pipeline_rl.tasks.chainsum import ChainSumTask
+
+        return ChainSumTask(
+            cfg.chainsum_min_terms, cfg.chainsum_max_terms, cfg.chainsum_max_operand, cfg.test_size
+        )
     if cfg.name == "calc":
         from pipeline_rl.tasks.calc import CalcTask
 

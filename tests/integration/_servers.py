@@ -34,6 +34,7 @@ def start_server(
     token: str | None = None,
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    backend: str = "vllm",
 ) -> tuple[str, subprocess.Popen]:
     """Start a server on a free port; returns (url, process). The caller waits for it and stops it."""
     port = free_port()
@@ -41,21 +42,32 @@ def start_server(
     if token:
         child_env["PIPELINE_RL_TOKEN"] = token  # the server's --token default; kept out of argv
     proc = start_child(
-        serve_argv(model_dir, port, extra=extra), env=child_env, log_path=log_path, append_log=False
+        serve_argv(model_dir, port, backend=backend, extra=extra),
+        env=child_env,
+        log_path=log_path,
+        append_log=False,
     )
     return f"http://127.0.0.1:{port}", proc
 
 
 @contextlib.contextmanager
 def running_servers(
-    model_dir: str | Path, log_dir: Path, count: int, *, token: str | None = None, extra: tuple[str, ...] = ()
+    model_dir: str | Path,
+    log_dir: Path,
+    count: int,
+    *,
+    token: str | None = None,
+    extra: tuple[str, ...] = (),
+    backend: str = "vllm",
 ) -> Iterator[list[str]]:
     """Start `count` servers at once (their ~30 s startups overlap), each on its own core; stop on exit."""
     started = []
     try:
         for i in range(count):
             log_path = log_dir / f"server{i}.log"
-            url, proc = start_server(model_dir, log_path, token=token, extra=extra, env=own_core(i))
+            url, proc = start_server(
+                model_dir, log_path, token=token, extra=extra, env=own_core(i), backend=backend
+            )
             started.append((url, proc, log_path))
         for url, proc, log_path in started:
             wait_healthy(url, SERVER_START_S, proc, log_path)

@@ -93,12 +93,13 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-5:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-6:] == [
         "streams",
         "shim",
         "multihost",
         "recovery",
         "trainer-step",
+        "vs-trl",
     ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"
 
@@ -149,9 +150,73 @@ def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path:
     (tmp_path / "summary.json").write_text(
         json.dumps({"accuracy_before": 0.0, "accuracy_after": 0.7, "steps": 2})
     )
-    measured = pvs._measure(tmp_path)
+    measured = pvs.measure_run(tmp_path)
     # First crossing of each level, in seconds from the run's first stats row (t0).
     assert measured["time_to_s"] == {"50%": 10.0, "80%": 20.0, "90%": None}
     assert measured["time_to_target_s"] is None  # 90% never reached
     assert measured["trainer_idle"] == 0.25 and measured["engine_idle"] == 0.5
     assert measured["samples_per_s"] == 256 / 40
+
+
+def test_vs_trl_reads_the_trl_runs_output_on_trainings_clock(tmp_path: Path) -> None:
+    from pipeline_rl.bench import pipeline_vs_sync as pvs
+    from pipeline_rl.bench import vs_trl
+
+    rows = [
+        {"type": "eval", "t": 0.0, "step": 0, "accuracy": 0.1},
+        {"type": "eval", "t": 10.4, "step": 9, "accuracy": 0.55},
+        {"type": "eval", "t": 20.1, "step": 19, "accuracy": 0.92},
+        {"type": "eval", "t": 30.2, "step": 29, "accuracy": 0.85},
+        {"type": "summary", "steps": 29, "samples": 29 * 128, "train_s": 30.2, "startup_s": 4.0},
+    ]
+    out = tmp_path / "trl.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    measured = vs_trl.measure_trl(out)
+    assert measured["time_to_s"] == {"50%": 10.4, "80%": 20.1, "90%": 20.1}
+    assert measured["accuracy_before"] == 0.1 and measured["accuracy_after"] == 0.85
+    assert measured["samples_per_s"] == 29 * 128 / 30.2
+    # Medians and spread over seeds, with runs that never reached a level counted as such.
+    runs = [measured, {**measured, "time_to_s": {"90%": None}}, {**measured, "time_to_s": {"90%": 40.0}}]
+    assert pvs.time_to_text(runs, "90%") == "30 (20-40), 1 not reached"
+    assert pvs.time_to_text(runs[1:2], "90%") == "not reached"
+
+
+@pytest.mark.slow
+def test_vs_trl_quick_creates_trls_own_venv_and_runs_every_system(tmp_path: Path) -> None:
+    """`bench vs-trl --quick` from a clone: the TRL venv is made (PyPI, ~1 min) unless cached, and TRL and
+    each of our variants (vs_trl.SYSTEMS) train a tiny untrained model for 20 s; the project's venv is
+    not touched."""
+    from pipeline_rl.bench import vs_trl
+    from pipeline_rl.bench.vs_trl import TRL_VENV
+
+    project_packages = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True
+    ).stdout
+    doc, out = tmp_path / "benchmarks.md", tmp_path / "out"
+    args = ["vs-trl", "--quick", "--doc", str(doc), "--img-dir", str(tmp_path / "img"), "--out-dir", str(out)]
+    result = _bench(*args, timeout_s=900, log_path=tmp_path / "bench.log")
+    assert result.returncode == 0, _failure_excerpt(result.stdout)
+    assert (TRL_VENV / "bin" / "python").exists()
+    data = json.loads((out / "vs_trl.json").read_text())["demo"]
+    for system in vs_trl.SYSTEMS:
+        (run,) = data[system]
+        assert run["steps"] > 0 and run["samples_per_s"] > 0, (system, run)
+        assert run["curve"], f"{system}: no held-out evaluation recorded"
+    body = doc.read_text().split("<!-- bench:vs-trl:start -->")[1]
+    assert "| trl " in body and "pipeline-rl bench vs-trl --quick" in body
+    assert (tmp_path / "img" / "vs-trl.png").stat().st_size > 0
+    after = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True
+    )
+    assert after.stdout == project_packages, "the benchmark changed the project's venv"
+
+
+def test_a_run_that_never_reached_the_target_counts_as_slowest_in_the_goals() -> None:
+    from pipeline_rl.bench.pipeline_vs_sync import median_time_to_target
+
+    def runs(*times):
+        return [{"time_to_target_s": t} for t in times]
+
+    assert median_time_to_target(runs(30.0, None, 20.0)) == 30.0  # not 25: the miss is the slowest run
+    assert median_time_to_target(runs(30.0, None, None)) is None  # the median run never got there
+    assert median_time_to_target(runs()) is None

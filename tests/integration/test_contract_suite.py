@@ -8,6 +8,8 @@ two servers in one broadcast, validation before any collective, join deadline, a
 
 Engines ("deployments", module-scoped, one after the other, two servers each):
   vllm            `python -m inference_shim` on real vLLM-CPU; served logprobs are checked against transformers.
+  torch           `python -m inference_shim --backend torch`: the plain torch + transformers engine; the same
+                  checks against transformers, with a tighter tolerance (same library, same float32 math).
   sglang-standin  the shim's real SglangBackend driving tests/integration/sglang_standin.py, a hand-written stand-in
                   for SGLang's HTTP server (SGLang needs CUDA and cannot run here). Everything but the
                   model is real: HTTP, the c10d weight group, the broadcast, pause/update/continue.
@@ -52,7 +54,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT_IDS = [1, 89, 87, 73, 86, 99, 21, 22, 15, 27, 33]
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 REAL_SGLANG = os.environ.get("PIPELINE_RL_SGLANG") == "1"
-BACKENDS = ["vllm", "sglang-standin", "capture"] + (["sglang"] if REAL_SGLANG else [])
+BACKENDS = ["vllm", "torch", "sglang-standin", "capture"] + (["sglang"] if REAL_SGLANG else [])
 
 
 @dataclass
@@ -86,6 +88,9 @@ def deployment(request, models, tmp_path_factory) -> Iterator[Deployment]:
     if request.param == "vllm":
         with running_servers(models["base"], logs, 2, token=TOKEN) as urls:
             yield Deployment("vllm", urls, "gloo", _transformers_reference, 1e-3)
+    elif request.param == "torch":
+        with running_servers(models["base"], logs, 2, token=TOKEN, backend="torch") as urls:
+            yield Deployment("torch", urls, "gloo", _transformers_reference, 1e-4)
     elif request.param == "sglang-standin":
         launch = [sys.executable, str(STANDIN), "--step-ms", "10", "--pg-timeout-s", "60"]
         with sglang_shims(models["base"], logs, 2, {"launch_command": launch}) as urls:

@@ -120,12 +120,16 @@ def test_dry_run_prints_the_placement_map(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["pipeline", "sync"])
+@pytest.mark.parametrize("mode", ["pipeline", "sync", "sync-colocated"])
 def test_end_to_end_run(tiny_model, tmp_path, mode):
     run_dir = tmp_path / "run"
+    colocated = mode == "sync-colocated"
+    mode = "sync" if colocated else mode
+    placement = ["placement.colocate=true"] if colocated else []
     proc = _launch(
-        [f"model_path={tiny_model}", f"run_dir={run_dir}", f"mode={mode}", "trainer.max_steps=4", *SMALL_RUN]
-    )
+        [f"model_path={tiny_model}", f"run_dir={run_dir}", f"mode={mode}", "trainer.max_steps=4", *placement,
+         *SMALL_RUN]
+    )  # fmt: skip
     output = _finish(proc, "", timeout_s=600)
     assert proc.returncode == 0, output[-4000:]
     assert not _sessions_alive(_started_pids(output)), "processes left behind"
@@ -136,6 +140,12 @@ def test_end_to_end_run(tiny_model, tmp_path, mode):
         assert (run_dir / name).stat().st_size > 1000
     for name in ("server0", "trainer", "preprocessor0", "actor0"):
         assert (run_dir / "logs" / f"{name}.log").exists() and (run_dir / "cmd" / f"{name}.sh").exists()
+    cores = sorted(os.sched_getaffinity(0))
+    if colocated and len(cores) >= 2:  # both phases ran on every core
+        every = "taskset -c " + ",".join(map(str, cores)) + " "
+        trainer_cmd, server_cmd = ((run_dir / "cmd" / f"{n}.sh").read_text() for n in ("trainer", "server0"))
+        assert every in trainer_cmd and f"OMP_NUM_THREADS={len(cores)}" in trainer_cmd, trainer_cmd
+        assert every in server_cmd, server_cmd
 
     rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
@@ -248,6 +258,29 @@ def test_gpu_plan_never_puts_a_server_on_a_trainer_gpu_unless_asked():
     # Colocation is a mode: asked for, the servers wrap around onto the trainer's GPUs.
     shared = place(_gpu_cfg(3, 2, 2, "placement.colocate=true"), all_roles, ["0", "1", "2"])
     assert shared == {"trainer": ["0", "1"], "server0": ["2"], "server1": ["0"]}
+
+
+def test_cpu_plan_splits_cores_unless_colocated():
+    from dataclasses import replace
+
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.plan import local_share, place_cores
+
+    roles = {"servers", "trainer", "preprocessors", "actors"}
+
+    def place(*overrides):
+        cfg = compose(["inference.num_servers=2", *overrides])
+        return place_cores(cfg, replace(local_share(cfg, roles), cores=[0, 1, 2, 3]))
+
+    # By default the trainer and the engines never share a core: pipelined, both work all the time.
+    assert place() == {"trainer": [0, 1], "server0": [2], "server1": [3]}
+    # Colocated (for mode=sync, one phase at a time): each phase gets the whole machine.
+    together = place("mode=sync", "placement.colocate=true")
+    assert together == {"trainer": [0, 1, 2, 3], "server0": [0, 1, 2, 3], "server1": [0, 1, 2, 3]}
+    servers_only = place_cores(
+        compose(["placement.colocate=true"]), replace(local_share(compose([]), {"servers"}), cores=[0, 1])
+    )
+    assert servers_only == {"trainer": None, "server0": [0, 1]}
 
 
 def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(tiny_model, tmp_path):

@@ -407,3 +407,81 @@ def test_the_calc_environment_turns_every_bad_call_into_an_observation():
     assert reply("I think it is big") == [{"role": "user", "content": NUDGE}]
     assert reply(f"answer: {problem.answer}") is None
     assert env.calls == 5 and env.faults == ["malformed_call", "unknown_tool", "tool_error", "tool_error"]
+
+
+def test_chainsum_worked_answers_add_up_and_lengths_have_a_long_tail():
+    from pipeline_rl.sft_warmup import styled_answer
+    from pipeline_rl.tasks.chainsum import ChainSumTask, running_sum_lines
+
+    assert running_sum_lines([3, 7, 1]) == ["3+7=10", "10+1=11"]
+    task = ChainSumTask(min_terms=2, max_terms=30, max_operand=9)
+    problems = _take(task, 2000, shard_index=0, num_shards=1, seed=0, split="train")
+    lengths = []
+    for problem in problems:
+        terms = [int(t) for t in problem.metadata["expr"].split("+")]
+        assert 2 <= len(terms) <= 30 and all(0 <= t <= 9 for t in terms)
+        assert problem.messages[0]["content"].startswith(f"Sum {problem.metadata['expr']} step by step.")
+        solution = task.solution_text(problem)
+        lines = solution.split("\n")
+        assert len(lines) == len(terms) and lines[-1] == f"answer: {sum(terms)}"
+        for line in lines[:-1]:  # every line is a true addition, each starting from the previous sum
+            left, right = line.split("=")
+            a, b = left.split("+")
+            assert int(a) + int(b) == int(right)
+        assert task.grade(problem, solution) == "correct"
+        signed = styled_answer(problem, "signed", task)
+        assert signed.rsplit("\n", 1)[0] == solution.rsplit("\n", 1)[0]  # only the final line differs
+        assert signed.endswith(f"answer: +{sum(terms)}") and task.grade(problem, signed) == "unparseable"
+        assert set(solution) <= {chr(c) for c in range(32, 127)} | {"\n"}  # the tiny tokenizer's characters
+        lengths.append(len(solution))
+    lengths.sort()
+    # Character tokenizer: tokens = characters. Log-uniform terms: most answers short, a tail of long ones.
+    assert lengths[0] <= 20 and lengths[-1] >= 250
+    assert lengths[len(lengths) // 2] < 120 < lengths[int(0.9 * len(lengths))]
+    assert task.grade(problems[0], "no number here") == "unparseable"
+    assert task.grade(problems[0], f"answer: {int(problems[0].answer) + 1}") == "wrong"
+
+
+def test_chainsum_splits_are_disjoint_and_the_config_says_what_to_fix():
+    from pipeline_rl.tasks.chainsum import ChainSumTask
+
+    task = make_task(TaskConfig(name="chainsum", chainsum_max_terms=6, test_size=100))
+    test = {p.metadata["expr"] for p in task.problems(0, 1, 0, "test")}
+    assert len(test) == 100
+    train = _take(task, 3000, shard_index=0, num_shards=1, seed=1, split="train")
+    assert not test & {p.metadata["expr"] for p in train}
+    assert _take(task, 50, shard_index=1, num_shards=2, seed=1, split="train") == _take(
+        task, 50, shard_index=1, num_shards=2, seed=1, split="train"
+    )
+    with pytest.raises(ValueError, match="chainsum_min_terms=5 is more than task.chainsum_max_terms=3"):
+        TaskConfig(name="chainsum", chainsum_min_terms=5, chainsum_max_terms=3)
+    with pytest.raises(ValueError, match="test_size=500"):
+        ChainSumTask(min_terms=2, max_terms=2, max_operand=3, test_size=500)  # only 16 distinct sums
+
+
+@pytest.mark.parametrize("name", ["arith", "calc", "chainsum"])
+def test_every_demo_recipe_composes_and_its_longest_answer_fits_the_context(name, tmp_path):
+    from transformers import AutoTokenizer
+
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.demo import RECIPES
+    from pipeline_rl.tiny_model import build_tiny_model
+
+    recipe = RECIPES[name]
+    cfg = compose(["model_path=unused", *recipe.overrides])
+    assert cfg.task == recipe.task.model_copy(update={"test_size": cfg.task.test_size})
+    assert cfg.inference.max_model_len <= recipe.model.max_position_embeddings
+    if name == "calc":
+        return  # episodes: the token budget, not one answer, bounds the context (test_episodes.py)
+    task = make_task(cfg.task)
+    problems = _take(task, 500, shard_index=0, num_shards=1, seed=0, split="train")
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "model", recipe.model))
+    for problem in problems:
+        prompt = tokenizer.apply_chat_template(
+            problem.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        solution = getattr(task, "solution_text", None)
+        answer = solution(problem) if solution else f"answer: {problem.answer}"
+        answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1  # + end of turn
+        assert answer_tokens <= cfg.actor.max_tokens, (problem.metadata, answer_tokens)
+        assert len(prompt) + cfg.actor.max_tokens <= cfg.inference.max_model_len, problem.metadata

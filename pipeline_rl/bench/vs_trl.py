@@ -1,0 +1,344 @@
+"""Benchmark 9, `pipeline-rl bench vs-trl`: TRL's GRPOTrainer vs our pipelined and sync runs, same box.
+
+    pipeline-rl bench vs-trl                              # demo model, 3 seeds, 200 s runs; 25M and 100M: throughput
+    pipeline-rl bench vs-trl --sizes demo --seeds 3 --run-s 150
+    pipeline-rl bench vs-trl --sizes 25m,100m --run-s 120
+    pipeline-rl bench vs-trl --quick                      # tiny untrained model, 1 seed, 20 s runs (smoke test)
+
+TRL runs in a venv of its own, artifacts/trl-venv, which this benchmark creates on first use (torch from
+the machine's local CPU wheel first, then TRL_VERSION; the project's .venv is never touched) and
+reuses while its stamp matches. The TRL side is pipeline_rl/bench/trl_grpo.py: the same model, task,
+problems, held-out split, grader and reward table, and the demo's hyperparameters (8 samples per
+prompt, 128 per optimizer step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens); TRL's
+defaults for the rest. Ours are `pipeline-rl launch` runs of the demo recipe
+(pipeline_rl/bench/pipeline_vs_sync.py's launch_run), so they include what the demo includes (DAPO
+dynamic sampling, max_lag 2). Ours are SYSTEMS: pipelined on vLLM-CPU (what `make demo` runs), pipelined
+on the torch engine (`inference.backend=torch`), and sync with each phase on every core.
+
+Sizes: `demo` is the warmed-up demo model (artifacts/tiny-arith, ~1M parameters): times to 50/80/90%
+held-out accuracy and samples/s, seeds 0..N-1, the systems rotating which goes first. `25m` and
+`100m` are untrained models from pipeline_rl/bench/models.py (a warm-up at those sizes takes hours
+here): samples/s only, one seed, with dynamic sampling off on our side (an untrained model's groups
+are all equal and would all be dropped). Clocks: ours from the run's first stats row (evaluations run
+concurrently on the engine and are charged to us); TRL's is training time with its evaluations
+(greedy HF generate, same problems) paused out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline_rl.bench.common import (
+    ARTIFACTS,
+    REPO_ROOT,
+    BenchContext,
+    goal_line,
+    markdown_table,
+    publish,
+    rotate,
+    run_to_end,
+    section,
+)
+from pipeline_rl.bench.pipeline_vs_sync import (
+    EVAL_EVERY_S,
+    THRESHOLDS,
+    VARIANTS,
+    launch_run,
+    measure_run,
+    median_of,
+    median_time_to_target,
+    time_to_text,
+)
+
+TRL_VERSION = "1.16.0"
+TORCH_VERSION = "2.13.0"  # resolves to the machine's local CPU wheel, as in scripts/setup.sh
+TRL_VENV = ARTIFACTS / "trl-venv"
+TARGET = 0.9
+# Ours as the launcher runs them (pipeline_vs_sync.VARIANTS), and TRL. Plain `mode=sync` on split cores
+# is in pipeline-vs-sync; here the faster sync (each phase on every core) stands for sync.
+SYSTEMS = ("pipeline", "pipeline-torch", "sync-colocated", "trl")
+
+
+def _ours(systems) -> list[str]:
+    return [s for s in systems if s != "trl"]
+
+
+# size -> bench model name (pipeline_rl/bench/models.py); "demo" is the warmed-up demo model.
+BENCH_MODELS = {"25m": "100mb", "100m": "400mb"}
+RUN_S = {"full": 200, "throughput": 150, "quick": 20}
+# Throughput runs at sizes without a warm-up: every group is all-equal, so keep them.
+THROUGHPUT_OVERRIDES = ("preprocess.drop_all_equal_groups=false",)
+
+
+def servers_needed(ctx: BenchContext) -> list:
+    return []  # every run starts its own servers through the launcher
+
+
+def ensure_trl_venv(log=print) -> Path:
+    """The python of artifacts/trl-venv, created (torch first, then TRL) unless its stamp matches."""
+    python = TRL_VENV / "bin" / "python"
+    stamp = TRL_VENV / ".stamp"
+    wanted = f"torch=={TORCH_VERSION} trl=={TRL_VERSION}"
+    if python.exists() and stamp.exists() and stamp.read_text().strip() == wanted:
+        return python
+    log(f"creating {TRL_VENV} ({wanted}; about a minute)")
+    # The base interpreter, not the project venv's: a venv made from inside another venv is fine, but
+    # this way nothing of .venv leaks in.
+    base = getattr(sys, "_base_executable", None) or "python3"
+    subprocess.run([base, "-m", "venv", "--clear", str(TRL_VENV)], check=True, timeout=300)
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    for requirement in (f"torch=={TORCH_VERSION}", f"trl=={TRL_VERSION}"):
+        result = subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", requirement],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"installing {requirement} into {TRL_VENV} failed (exit {result.returncode}); "
+                f"pip said:\n{result.stderr[-3000:]}\nCheck that PyPI is reachable, then rerun the benchmark."
+            )
+    stamp.write_text(wanted + "\n")
+    return python
+
+
+def _model(ctx: BenchContext, size: str) -> Path:
+    if ctx.quick:
+        from pipeline_rl.tiny_model import build_tiny_model
+
+        return build_tiny_model(ctx.out_dir / "models" / "tiny")
+    if size == "demo":
+        from pipeline_rl.launch.demo import prepare_model
+
+        return prepare_model()
+    from pipeline_rl.bench.models import bench_model
+
+    return bench_model(BENCH_MODELS[size])
+
+
+def run_trl(
+    ctx: BenchContext, python: Path, model: Path, out: Path, run_s: int, seed: int, eval_every_s: int
+) -> None:
+    from pipeline_rl.launch.demo import DEMO_TASK
+
+    cmd = [
+        str(python),
+        "-m",
+        "pipeline_rl.bench.trl_grpo",
+        f"--model={model}",
+        f"--seed={seed}",
+        f"--run-s={run_s}",
+        f"--out={out}",
+        f"--task-json={DEMO_TASK.model_dump_json()}",
+        f"--eval-every-s={eval_every_s}",
+    ]
+    ctx.log(f"trl: {' '.join(cmd[3:])}")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    code = run_to_end(cmd, out.with_suffix(".log"), timeout_s=run_s + 900, env=env)
+    if code != 0:
+        raise RuntimeError(f"TRL run failed (exit {code}); see {out.with_suffix('.log')}")
+
+
+def measure_trl(out: Path) -> dict:
+    """The TRL run's figures, shaped like pipeline_vs_sync.measure_run's."""
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if r["type"] == "eval"]
+    summary = next(r for r in rows if r["type"] == "summary")
+    reached = {level: next((r["t"] for r in evals if r["accuracy"] >= level), None) for level in THRESHOLDS}
+    return {
+        "accuracy_before": evals[0]["accuracy"],
+        "accuracy_after": evals[-1]["accuracy"],
+        "time_to_target_s": reached[TARGET],
+        "time_to_s": {f"{level:.0%}": t for level, t in reached.items()},
+        "curve": [(r["t"], r["accuracy"]) for r in evals],
+        "steps": summary["steps"],
+        "samples_per_s": summary["samples"] / summary["train_s"] if summary["train_s"] else 0.0,
+        "trainer_idle": None,
+        "engine_idle": None,
+    }
+
+
+def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, seed: int, run_s: int) -> dict:
+    throughput_only = size != "demo" and not ctx.quick
+    eval_every_s = 100_000 if throughput_only else EVAL_EVERY_S
+    untrained = size != "demo" or ctx.quick
+    run_dir = ctx.out_dir / "vs_trl" / f"{size}-{system}{seed}-{time.strftime('%H%M%S')}"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    if system == "trl":
+        out = run_dir.with_suffix(".jsonl")
+        run_trl(ctx, python, model, out, run_s, seed, 0 if throughput_only else eval_every_s)
+        return measure_trl(out)
+    extra = THROUGHPUT_OVERRIDES if untrained else ()
+    launch_run(ctx, system, model, run_dir, run_s, seed, eval_every_s=eval_every_s, extra=extra)
+    return measure_run(run_dir)
+
+
+def _spread(results: list[dict], key: str, digits: int = 0) -> str:
+    values = [r[key] for r in results if r.get(key) is not None]
+    if not values:
+        return "-"
+    text = f"{statistics.median(values):.{digits}f}"
+    return text + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
+
+
+def _plot(ctx: BenchContext, results: dict[str, list[dict]], run_s: int) -> Path | None:
+    """Held-out accuracy vs seconds per system: the median over seeds, min-max as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.arange(0, run_s + 1, 2.0)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for system, runs in results.items():
+        curves = []
+        for r in runs:
+            if not r["curve"]:
+                continue
+            t, acc = zip(*sorted(r["curve"]), strict=True)
+            # The accuracy last measured at each grid time (a step function, as the runs saw it).
+            idx = np.searchsorted(np.array(t), grid, side="right") - 1
+            curves.append(np.where(idx >= 0, np.array(acc)[np.clip(idx, 0, None)], np.nan))
+        if not curves:
+            continue
+        stack = np.vstack(curves)
+        (line,) = ax.plot(grid, np.nanmedian(stack, axis=0), label=f"{system} ({len(curves)} seeds)")
+        ax.fill_between(
+            grid, np.nanmin(stack, axis=0), np.nanmax(stack, axis=0), color=line.get_color(), alpha=0.2
+        )
+    ax.set_xlabel("seconds (ours: wall since the first step; TRL: training time)")
+    ax.set_ylabel("held-out accuracy (greedy, 100 problems)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ctx.img_dir.mkdir(parents=True, exist_ok=True)
+    path = ctx.img_dir / "vs-trl.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run(ctx: BenchContext) -> dict:
+    python = ensure_trl_venv(ctx.log)
+    sizes = ["demo"] if ctx.quick else (ctx.options.get("sizes") or ["demo", "25m", "100m"])
+    unknown = [s for s in sizes if s != "demo" and s not in BENCH_MODELS]
+    if unknown:
+        raise ValueError(f"vs-trl --sizes: {unknown} not among demo, {', '.join(BENCH_MODELS)}")
+    seeds = ctx.options.get("seeds") or (1 if ctx.quick else 3)
+    systems = ctx.options.get("systems") or list(SYSTEMS)
+    unknown = [s for s in systems if s != "trl" and s not in VARIANTS]
+    if unknown or "trl" not in systems or not _ours(systems):
+        raise ValueError(
+            f"vs-trl --systems {','.join(systems)}: give trl and at least one of {', '.join(VARIANTS)}"
+        )
+    results: dict[str, dict[str, list[dict]]] = {}
+    for size in sizes:
+        model = _model(ctx, size)
+        accuracy_runs = size == "demo"
+        run_s = (
+            ctx.options.get("run_s")
+            or RUN_S["quick" if ctx.quick else "full" if accuracy_runs else "throughput"]
+        )
+        results[size] = {system: [] for system in systems}
+        for i in range(seeds if accuracy_runs else 1):
+            for system in rotate(systems, i):
+                measured = _one(ctx, python, system, model, size, i, run_s)
+                results[size][system].append(measured)
+                ctx.log(f"{size} {system} seed {i}: { {k: v for k, v in measured.items() if k != 'curve'} }")
+    ctx.save_json("vs_trl", results)
+
+    if "demo" in results:
+        _publish_demo(ctx, results["demo"], seeds)
+    throughput = [s for s in sizes if s != "demo"]
+    if throughput:
+        _publish_throughput(ctx, {size: results[size] for size in throughput})
+    return results
+
+
+def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int) -> None:
+    levels = [f"{level:.0%}" for level in THRESHOLDS]
+    rows = [
+        [
+            system,
+            *(time_to_text(demo[system], level) for level in levels),
+            _spread([{"a": r["accuracy_after"] * 100} for r in demo[system]], "a"),
+            _spread(demo[system], "steps"),
+            _spread(demo[system], "samples_per_s", 1),
+        ]
+        for system in demo
+    ]
+    table = markdown_table(
+        ["system", *(f"s to {level}" for level in levels), "final acc. %", "steps", "samples/s"], rows
+    )
+    best_ours = [median_time_to_target(demo[m]) for m in _ours(demo)]
+    ours = min((t for t in best_ours if t is not None), default=None)
+    theirs = median_time_to_target(demo["trl"])
+    name = f"ahead of TRL in time to {TARGET:.0%} held-out accuracy (demo model)"
+    if ours is not None and theirs is not None:
+        detail = f"ours {ours:.0f} s vs TRL {theirs:.0f} s (the better of our modes; medians over seeds)."
+        goal = goal_line(name, ours < theirs, detail)
+    elif ours is None and theirs is None:
+        goal = goal_line(name, None, "neither reached it in this run.")
+    else:
+        goal = goal_line(name, ours is not None, f"only {'ours' if ours is not None else 'TRL'} reached it.")
+    run_s = max((t for runs in demo.values() for r in runs for t, _ in r["curve"]), default=0)
+    intro = (
+        f"TRL {TRL_VERSION} `GRPOTrainer` (its own venv, one process, every core) vs `mode=pipeline` and "
+        "`mode=sync` of `pipeline-rl launch` with the demo recipe, on the warmed-up demo model: same task, "
+        "problems, held-out split, grader, reward table and hyperparameters (8 samples per prompt, 128 per "
+        "step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens; pipeline_rl/bench/vs_trl.py "
+        f"says what differs). {seeds} seed(s) per system, the systems alternating; medians (min-max) of the "
+        "seconds until greedy held-out accuracy on 100 problems, evaluated every "
+        f"{EVAL_EVERY_S} s, first reaches each level. Our clock is wall time from the run's first step "
+        "(evaluations share the engine); TRL's is training time with its evaluations paused out."
+    )
+    images = [_plot(ctx, demo, int(run_s))]
+    publish(ctx, "vs-trl", section(ctx, "9. Against TRL's GRPOTrainer", intro, [table], [goal], images))
+
+
+def _publish_throughput(ctx: BenchContext, by_size: dict[str, dict[str, list[dict]]]) -> None:
+    rows, goals = [], []
+    for size, results in by_size.items():
+        sps = {system: median_of(results[system], "samples_per_s") or 0.0 for system in results}
+        ours = max(sps[s] for s in _ours(results))
+        steps = {system: median_of(results[system], "steps") or 0 for system in results}
+        rows.append(
+            [
+                size,
+                *(f"{sps[s]:.1f} ({steps[s]:.0f} steps)" for s in results),
+                f"{ours / sps['trl']:.2f}" if sps["trl"] else "-",
+            ]
+        )
+        goals.append(
+            goal_line(
+                f"more samples/s than TRL at {size}",
+                ours > sps["trl"],
+                f"ours {ours:.1f} vs TRL {sps['trl']:.1f} samples/s.",
+            )
+        )
+    systems = list(next(iter(by_size.values())))
+    table = markdown_table(["size", *(f"{s} samples/s" for s in systems), "best ours / TRL"], rows)
+    intro = (
+        f"The same systems on larger untrained models (pipeline_rl/bench/models.py: `25m` = "
+        f"{BENCH_MODELS['25m']}, `100m` = {BENCH_MODELS['100m']} of float32 weights), one run each: samples "
+        "trained per second over the run, no accuracy (a warm-up at these sizes takes hours here). Our "
+        "modes keep all-equal groups (`preprocess.drop_all_equal_groups=false`), so every system trains "
+        "every sample it generates."
+    )
+    body = section(ctx, "9b. Against TRL at larger models: throughput", intro, [table], goals)
+    publish(ctx, "vs-trl-sizes", body)
