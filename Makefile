@@ -36,7 +36,7 @@ demo: setup
 demo-calc: setup
 	$(PY) -m pipeline_rl.cli demo --recipe calc
 
-# The long-answer recipe: sums with written running sums, 18-280 tokens per answer (docs/tasks.md, "chainsum").
+# The long-answer recipe: sums with written running sums, 20-250 tokens per answer (docs/tasks.md, "chainsum").
 demo-long: setup
 	$(PY) -m pipeline_rl.cli demo --recipe chainsum
 

@@ -8,7 +8,7 @@
 Extra key=value arguments go to the launcher (e.g. `pipeline-rl demo mode=sync`).
 `pipeline-rl demo --recipe calc [key=value ...]` runs the multi-turn task with a calculator tool instead
 (artifacts/tiny-calc); `--recipe chainsum` the long-answer task (artifacts/tiny-chainsum, answers of
-~18-280 tokens).
+~20-250 tokens).
 """
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ CALC_OVERRIDES = [
 ]
 
 
-# `--recipe chainsum`: sums of 2-30 one-digit terms with every running sum written out
-# (pipeline_rl/tasks/chainsum.py): answers of ~18-280 tokens, most short, a long tail, so generation -
+# `--recipe chainsum`: sums of 2-20 one-digit terms with every running sum written out
+# (pipeline_rl/tasks/chainsum.py): answers of ~20-250 tokens, most short, a long tail, so generation -
 # and its stragglers - dominates a step, as in real reasoning RL. Same model shape as the demo with room
 # for 512 positions. The warm-up writes 80% of final answers as `answer: +N` (the demo's format gap),
 # so RL has a reward signal to climb from the first step, while the running sums give it long answers.
 LONG_MODEL = DEMO_MODEL.model_copy(update={"max_position_embeddings": 512})
 CHAINSUM_TASK = TaskConfig(
-    name="chainsum", chainsum_min_terms=2, chainsum_max_terms=30, chainsum_max_operand=9
+    name="chainsum", chainsum_min_terms=2, chainsum_max_terms=20, chainsum_max_operand=9
 )
 CHAINSUM_WARMUP = WarmupConfig(
     steps=600,

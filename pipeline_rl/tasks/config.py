@@ -35,7 +35,10 @@ class TaskConfig(BaseModel):
     )
     chainsum_min_terms: int = Field(default=2, ge=2, description="chainsum: fewest terms of a sum.")
     chainsum_max_terms: int = Field(
-        default=30, ge=2, description="chainsum: most terms of a sum (~10 answer tokens per term)."
+        default=20,
+        ge=2,
+        le=26,
+        description="chainsum: most terms of a sum (a letter label each; ~12 answer tokens per term).",
     )
     chainsum_max_operand: int = Field(default=9, ge=1, description="chainsum: terms are drawn from 0..this.")
     calc_max_operand: int = Field(default=999, ge=10, description="calc: factors are drawn from 0..this.")

@@ -411,23 +411,25 @@ def test_the_calc_environment_turns_every_bad_call_into_an_observation():
 
 def test_chainsum_worked_answers_add_up_and_lengths_have_a_long_tail():
     from pipeline_rl.sft_warmup import styled_answer
-    from pipeline_rl.tasks.chainsum import ChainSumTask, running_sum_lines
+    from pipeline_rl.tasks.chainsum import ChainSumTask, labelled_terms, running_sum_lines
 
-    assert running_sum_lines([3, 7, 1]) == ["3+7=10", "10+1=11"]
-    task = ChainSumTask(min_terms=2, max_terms=30, max_operand=9)
+    assert labelled_terms([3, 7, 1]) == "a=3 b=7 c=1"
+    assert running_sum_lines([3, 7, 1]) == ["b=7: 3+7=10", "c=1: 10+1=11"]
+    task = ChainSumTask(min_terms=2, max_terms=20, max_operand=9)
     problems = _take(task, 2000, shard_index=0, num_shards=1, seed=0, split="train")
     lengths = []
     for problem in problems:
         terms = [int(t) for t in problem.metadata["expr"].split("+")]
-        assert 2 <= len(terms) <= 30 and all(0 <= t <= 9 for t in terms)
-        assert problem.messages[0]["content"].startswith(f"Sum {problem.metadata['expr']} step by step.")
+        assert 2 <= len(terms) <= 20 and all(0 <= t <= 9 for t in terms)
+        assert problem.messages[0]["content"].startswith(f"Sum {labelled_terms(terms)} step by step.")
         solution = task.solution_text(problem)
         lines = solution.split("\n")
         assert len(lines) == len(terms) and lines[-1] == f"answer: {sum(terms)}"
-        for line in lines[:-1]:  # every line is a true addition, each starting from the previous sum
-            left, right = line.split("=")
-            a, b = left.split("+")
-            assert int(a) + int(b) == int(right)
+        total = terms[0]
+        for label, term, line in zip("bcdefghijklmnopqrst", terms[1:], lines[:-1], strict=False):
+            # every line is a true addition of the labelled term to the previous line's sum
+            assert line == f"{label}={term}: {total}+{term}={total + term}"
+            total += term
         assert task.grade(problem, solution) == "correct"
         signed = styled_answer(problem, "signed", task)
         assert signed.rsplit("\n", 1)[0] == solution.rsplit("\n", 1)[0]  # only the final line differs
@@ -436,8 +438,8 @@ def test_chainsum_worked_answers_add_up_and_lengths_have_a_long_tail():
         lengths.append(len(solution))
     lengths.sort()
     # Character tokenizer: tokens = characters. Log-uniform terms: most answers short, a tail of long ones.
-    assert lengths[0] <= 20 and lengths[-1] >= 250
-    assert lengths[len(lengths) // 2] < 120 < lengths[int(0.9 * len(lengths))]
+    assert lengths[0] <= 25 and lengths[-1] >= 250
+    assert lengths[len(lengths) // 2] < 100 < lengths[int(0.9 * len(lengths))]
     assert task.grade(problems[0], "no number here") == "unparseable"
     assert task.grade(problems[0], f"answer: {int(problems[0].answer) + 1}") == "wrong"
 
@@ -457,6 +459,10 @@ def test_chainsum_splits_are_disjoint_and_the_config_says_what_to_fix():
         TaskConfig(name="chainsum", chainsum_min_terms=5, chainsum_max_terms=3)
     with pytest.raises(ValueError, match="test_size=500"):
         ChainSumTask(min_terms=2, max_terms=2, max_operand=3, test_size=500)  # only 16 distinct sums
+    with pytest.raises(ValueError, match="one letter label per term"):
+        ChainSumTask(min_terms=2, max_terms=27)
+    with pytest.raises(ValueError, match="less than or equal to 26"):
+        TaskConfig(name="chainsum", chainsum_max_terms=27)
 
 
 @pytest.mark.parametrize("name", ["arith", "calc", "chainsum"])
