@@ -58,6 +58,17 @@ class ChoiceDelta:
     token_strings: list[str] = field(default_factory=list)
 
 
+def spans_from_versions(versions: list[int]) -> list[VersionSpan]:
+    """Per-token weight versions as spans: [3, 3, 4] -> [0, 2) v3, [2, 3) v4."""
+    spans: list[VersionSpan] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1].version == version:
+            spans[-1].end = i + 1
+        else:
+            spans.append(VersionSpan(version=version, start=i, end=i + 1))
+    return spans
+
+
 def served_name(model_dir: str, served_model_name: str | None) -> str:
     """The model's name in /v1/models and /capabilities: the one given, else the directory's name."""
     return served_model_name or Path(model_dir.rstrip("/")).name

@@ -34,7 +34,13 @@ from collections.abc import AsyncIterator
 import httpx
 
 from inference_shim.backends.base import Backend, short
-from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, prompt_room
+from inference_shim.backends.common import (
+    ChoiceDelta,
+    ContractError,
+    SamplingRequest,
+    prompt_room,
+    spans_from_versions,
+)
 from inference_shim.backends.sglang_client import EngineError, SglangClient
 from inference_shim.backends.sglang_process import SglangOptions, SglangProcess
 from inference_shim.metrics import ShimMetrics
@@ -217,7 +223,7 @@ class SglangBackend(Backend):
                 )
                 if finish is not None:
                     delta.finish_reason = _finish_reason(finish)
-                    delta.version_spans = _engine_spans(meta, seen_tokens) or _spans_from_labels(labels)
+                    delta.version_spans = _engine_spans(meta, seen_tokens) or spans_from_versions(labels)
                 await queue.put(delta)
             await queue.put(None)
         except asyncio.CancelledError:
@@ -363,16 +369,6 @@ def _engine_spans(meta: dict, num_tokens: int) -> list[VersionSpan] | None:
     if out[0].start != 0 or out[-1].end != num_tokens:
         return None
     return out
-
-
-def _spans_from_labels(labels: list[int]) -> list[VersionSpan]:
-    spans: list[VersionSpan] = []
-    for i, version in enumerate(labels):
-        if spans and spans[-1].version == version:
-            spans[-1].end = i + 1
-        else:
-            spans.append(VersionSpan(version=version, start=i, end=i + 1))
-    return spans
 
 
 def _merge(total: ChoiceDelta, piece: ChoiceDelta) -> None:

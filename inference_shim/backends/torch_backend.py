@@ -44,10 +44,10 @@ from inference_shim.backends.common import (
     prompt_room,
     resolve_max_model_len,
     served_name,
+    spans_from_versions,
 )
 from inference_shim.backends.staged_receive import StagedReceive
 from inference_shim.metrics import ShimMetrics
-from inference_shim.openai_protocol import VersionSpan
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     Capabilities,
@@ -412,7 +412,7 @@ class TorchBackend(StagedReceive, Backend):
             logprobs=s.logprobs[s.sent_tokens :],
             top_logprobs=s.tops[s.sent_tokens :],
             finish_reason=s.finish if final else None,
-            version_spans=_spans(s.versions) if final else None,
+            version_spans=spans_from_versions(s.versions) if final else None,
         )
         s.sent_tokens, s.sent_text, s.closed = len(s.tokens), len(text), final
         return delta
@@ -425,7 +425,7 @@ class TorchBackend(StagedReceive, Backend):
             logprobs=list(s.logprobs),
             top_logprobs=list(s.tops),
             finish_reason=s.finish,
-            version_spans=_spans(s.versions),
+            version_spans=spans_from_versions(s.versions),
         )
 
     # ------------------------------------------------------------------ update hooks (base.Backend)
@@ -466,14 +466,3 @@ class TorchBackend(StagedReceive, Backend):
         for request in {id(s.request): s.request for s in waiting}.values():
             request.failed = True
             request.send(ContractError(503, "weights_incomplete", "the server's weights may be mixed"))
-
-
-def _spans(versions: list[int]) -> list[VersionSpan]:
-    """[3, 3, 4] -> spans [0, 2) v3, [2, 3) v4."""
-    spans: list[VersionSpan] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1].version == v:
-            spans[-1].end = i + 1
-        else:
-            spans.append(VersionSpan(version=v, start=i, end=i + 1))
-    return spans

@@ -21,9 +21,8 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
-from itertools import count
 
-from pipeline_rl.tasks.base import Grade, Problem, Split, check_shard
+from pipeline_rl.tasks.base import Grade, Problem, Split, check_shard, generated_train_stream
 
 ARITH_OPERATORS = "+-*"
 ARITH_PROMPT = "What is {expr}? Reply with answer: <integer>"
@@ -127,14 +126,8 @@ class ArithTask:
             for index in range(shard_index, len(self._test), num_shards):
                 yield self._problem(index, *self._test[index], split)
             return
-        # Problem g is drawn from its own RNG, so the union over shards does not depend on num_shards
-        # and shard s owns exactly the indices g = s (mod num_shards).
-        for k in count():
-            index = k * num_shards + shard_index
-            rng = random.Random(f"arith:{seed}:{index}")
-            expr, value = self._draw(rng)
-            while expr in self._test_exprs:
-                expr, value = self._draw(rng)
+        stream = generated_train_stream("arith", seed, shard_index, num_shards, self._draw, self._test_exprs)
+        for index, expr, value in stream:
             yield self._problem(index, expr, value, split)
 
     def grade(self, problem: Problem, completion_text: str) -> Grade:

@@ -12,7 +12,9 @@ seed. Grading goes through `Grader`, which runs slow graders in worker processes
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
+from itertools import count
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
@@ -58,3 +60,26 @@ def check_shard(shard_index: int, num_shards: int) -> None:
     """Raise a clear error for an impossible shard, before any iteration starts."""
     if num_shards < 1 or not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index must be in [0, num_shards); got {shard_index=} {num_shards=}")
+
+
+def generated_train_stream(
+    key: str,
+    seed: int,
+    shard_index: int,
+    num_shards: int,
+    draw: Callable[[random.Random], tuple[str, int]],
+    excluded: set[str],
+) -> Iterator[tuple[int, str, int]]:
+    """(index, expression, value) of a generated task's train split, endless, for one shard.
+
+    Problem g is drawn from its own RNG (seeded `key:seed:g`), so the union over shards does not depend
+    on num_shards and shard s owns exactly the indices g = s (mod num_shards). Expressions in
+    `excluded` (the test split) are drawn again.
+    """
+    for k in count():
+        index = k * num_shards + shard_index
+        rng = random.Random(f"{key}:{seed}:{index}")
+        expr, value = draw(rng)
+        while expr in excluded:
+            expr, value = draw(rng)
+        yield index, expr, value

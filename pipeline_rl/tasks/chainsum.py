@@ -27,10 +27,9 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from itertools import count
 
 from pipeline_rl.tasks.arith import parse_answer
-from pipeline_rl.tasks.base import Grade, Problem, Split, check_shard
+from pipeline_rl.tasks.base import Grade, Problem, Split, check_shard, generated_train_stream
 
 CHAINSUM_PROMPT = "Sum {labelled} step by step. Reply with answer: <integer>"
 LABELS = "abcdefghijklmnopqrstuvwxyz"  # one per term, so at most 26 terms
@@ -105,13 +104,10 @@ class ChainSumTask:
             for index in range(shard_index, len(self._test), num_shards):
                 yield self._problem(index, *self._test[index], split)
             return
-        # As in arith: problem g has its own RNG, so shards partition one stream whatever their number.
-        for k in count():
-            index = k * num_shards + shard_index
-            rng = random.Random(f"chainsum:{seed}:{index}")
-            expr, value = self._draw(rng)
-            while expr in self._test_exprs:
-                expr, value = self._draw(rng)
+        stream = generated_train_stream(
+            "chainsum", seed, shard_index, num_shards, self._draw, self._test_exprs
+        )
+        for index, expr, value in stream:
             yield self._problem(index, expr, value, split)
 
     def solution_text(self, problem: Problem) -> str:

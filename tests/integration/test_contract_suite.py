@@ -831,7 +831,8 @@ def test_sglang_backend_multi_bucket_update_and_failure_mid_update(models, tmp_p
 # SglangBackend pieces that need no engine
 # ---------------------------------------------------------------------------------------------------
 def test_version_spans_come_from_sglang_when_it_reports_them_else_from_arrival():
-    from inference_shim.backends.sglang_backend import _engine_spans, _spans_from_labels
+    from inference_shim.backends.common import spans_from_versions
+    from inference_shim.backends.sglang_backend import _engine_spans
 
     meta = {
         "weight_versions": [{"version": "3", "start": 0, "end": 5}, {"version": "4", "start": 5, "end": 9}]
@@ -839,7 +840,7 @@ def test_version_spans_come_from_sglang_when_it_reports_them_else_from_arrival()
     assert [(s.version, s.start, s.end) for s in _engine_spans(meta, 9)] == [(3, 0, 5), (4, 5, 9)]
     assert _engine_spans({"weight_versions": [{"version": "default", "start": 0, "end": 9}]}, 9) is None
     assert _engine_spans({}, 9) is None
-    assert [(s.version, s.start, s.end) for s in _spans_from_labels([3, 3, 4, 4, 4])] == [
+    assert [(s.version, s.start, s.end) for s in spans_from_versions([3, 3, 4, 4, 4])] == [
         (3, 0, 2),
         (4, 2, 5),
     ]

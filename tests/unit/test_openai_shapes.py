@@ -15,7 +15,7 @@ import httpx
 import pytest
 from _fake_backend import FakeBackend
 
-from inference_shim.backends.common import model_positions, resolve_max_model_len
+from inference_shim.backends.common import model_positions, resolve_max_model_len, spans_from_versions
 from inference_shim.cli import build_parser, engine_options
 from inference_shim.openai_protocol import ChatCompletionRequest
 from inference_shim.server import create_app
@@ -123,3 +123,9 @@ def test_a_model_without_a_length_needs_the_flag(tmp_path):
     with pytest.raises(ValueError, match="pass --max-model-len"):
         resolve_max_model_len(model, None)
     assert resolve_max_model_len(model, 128) == 128
+
+
+def test_per_token_versions_become_contiguous_spans_covering_every_token():
+    spans = spans_from_versions([3, 3, 4, 4, 4, 6])
+    assert [(s.version, s.start, s.end) for s in spans] == [(3, 0, 2), (4, 2, 5), (6, 5, 6)]
+    assert spans_from_versions([]) == []
