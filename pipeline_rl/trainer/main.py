@@ -101,6 +101,14 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("pipeline_rl.trainer").error("trainer failed: %s: %s", type(e).__name__, e)
         raise
     logging.getLogger("pipeline_rl.trainer").info("done: step %d, version %d", state.step, state.version)
+    if "RANK" in os.environ:
+        # Everything is written and every group left. Skip the interpreter's teardown: the C++ side
+        # of torch.distributed can abort a rank there ("terminate called without an active exception",
+        # SIGABRT, seen on a rank that finished before its peer), which would fail a finished run.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
