@@ -155,10 +155,22 @@ RECIPES = {
 
 
 def _recipe_hash(recipe: Recipe) -> str:
+    from itertools import islice
+
+    from pipeline_rl.tasks import make_task
+
+    # A few prompts and worked answers as the warm-up sees them: a change of the task's text format (code,
+    # not config) must rebuild the model too.
+    task = make_task(recipe.task)
+    samples = [
+        [p.messages, task.solution_text(p) if hasattr(task, "solution_text") else None]
+        for p in islice(task.problems(0, 1, recipe.warmup.seed, "train"), 8)
+    ]
     described = {
         "model": recipe.model.model_dump(),
         "task": recipe.task.model_dump(),
         "warmup": recipe.warmup.model_dump(),
+        "samples": samples,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
