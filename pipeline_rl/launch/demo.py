@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_rl.sft_warmup import WarmupConfig, warm_up
+from pipeline_rl.sft_warmup import WarmupConfig, styled_answer, warm_up
 from pipeline_rl.tasks import TaskConfig
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
 
@@ -163,7 +163,7 @@ def _recipe_hash(recipe: Recipe) -> str:
     # not config) must rebuild the model too.
     task = make_task(recipe.task)
     samples = [
-        [p.messages, task.solution_text(p) if hasattr(task, "solution_text") else None]
+        [p.messages, styled_answer(p, "answer", task)]
         for p in islice(task.problems(0, 1, recipe.warmup.seed, "train"), 8)
     ]
     described = {
