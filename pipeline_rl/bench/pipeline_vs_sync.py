@@ -112,16 +112,29 @@ def measure_run(run_dir: Path) -> dict:
     snapshots = [r.get("in_flight_server0") for r in actors if r.get("in_flight_server0") is not None]
     last = trainer[-1] if trainer else {}
     wall = (last.get("time", start) - start) or 1.0
+    # Samples trained into each weight version, so an evaluation (which names the version it graded) is
+    # placed on the samples axis too: learning per sample, whatever the clock did.
+    samples_at = {0: 0, **{r["version"]: r.get("samples_consumed", 0) for r in trainer if "version" in r}}
+    by_samples = [
+        (samples_at[r["weight_version"]], r["accuracy"])
+        for r in evals
+        if r.get("weight_version") in samples_at
+    ]
+    lags = [r["lag_mean"] for r in trainer if r.get("lag_mean") is not None]
     return {
         "accuracy_before": before,
         "accuracy_after": summary.get("accuracy_after"),
         "time_to_target_s": reached[TARGET],
         "time_to_s": {f"{level:.0%}": t for level, t in reached.items()},
+        "samples_to_target": next((n for n, acc in by_samples if acc >= TARGET), None),
         "curve": [(max(0.0, r["time"] - start), r["accuracy"]) for r in evals],  # 'before' at 0
+        "curve_samples": by_samples,
         "steps": summary.get("steps"),
         "samples_per_s": last.get("samples_consumed", 0) / wall,
         "trainer_idle": wait_s / step_s if step_s else None,
         "engine_idle": sum(1 for s in snapshots if s == 0) / len(snapshots) if snapshots else None,
+        "lag_mean": statistics.median(lags) if lags else None,  # median over steps of the per-token mean
+        "too_stale": sum(r.get("too_stale", 0) for r in trainer),
     }
 
 
@@ -146,6 +159,56 @@ def median_time_to_target(runs: list[dict]) -> float | None:
 def median_of(runs: list[dict], key: str) -> float | None:
     values = [r[key] for r in runs if r.get(key) is not None]
     return statistics.median(values) if values else None
+
+
+def plot_accuracy(
+    ctx: BenchContext,
+    results: dict[str, list[dict]],
+    name: str,
+    *,
+    curve: str = "curve",
+    xlabel: str = "seconds since the run's first step",
+) -> Path | None:
+    """Held-out accuracy per mode against the runs' `curve` (seconds, or samples with curve_samples):
+    the median over seeds as a line, min-max as a band. Written to <img_dir>/<name>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    end = max((x for runs in results.values() for r in runs for x, _ in r[curve]), default=0)
+    if not end:
+        return None
+    grid = np.linspace(0, end, 200)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, runs in results.items():
+        curves = []
+        for r in runs:
+            if not r[curve]:
+                continue
+            x, acc = zip(*sorted(r[curve]), strict=True)
+            # The accuracy last measured at each grid point (a step function, as the run saw it).
+            idx = np.searchsorted(np.array(x), grid, side="right") - 1
+            curves.append(np.where(idx >= 0, np.array(acc)[np.clip(idx, 0, None)], np.nan))
+        if not curves:
+            continue
+        stack = np.vstack(curves)
+        (line,) = ax.plot(grid, np.nanmedian(stack, axis=0), label=f"{mode} ({len(curves)} seeds)")
+        ax.fill_between(
+            grid, np.nanmin(stack, axis=0), np.nanmax(stack, axis=0), color=line.get_color(), alpha=0.2
+        )
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out accuracy (greedy, 100 problems)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    ctx.img_dir.mkdir(parents=True, exist_ok=True)
+    path = ctx.img_dir / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def run(ctx: BenchContext) -> dict:
@@ -235,5 +298,10 @@ def run(ctx: BenchContext) -> dict:
         "trainer = waiting for data / step time; engine = share of 1 s snapshots with nothing in flight."
     )
     title = "3. Pipelined vs synchronous RL" + ("" if recipe == "arith" else f" ({recipe}: long answers)")
-    publish(ctx, f"pipeline-vs-sync{suffix}", section(ctx, title, intro, [table], [goal]))
+    images = [plot_accuracy(ctx, results, f"pipeline-vs-sync{suffix}")]
+    publish(
+        ctx,
+        f"pipeline-vs-sync{suffix}",
+        section(ctx, title, intro, [table], [goal], [i for i in images if i is not None]),
+    )
     return results

@@ -10,6 +10,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
     pipeline-rl bench recovery             # 7. per fault kind: recovery time, throughput dip, samples lost
     pipeline-rl bench trainer-step         # 8. one trainer step at the demo's sizes: phases, layouts, plain loop
     pipeline-rl bench vs-trl               # 9. TRL's GRPOTrainer vs our pipelined and sync modes (own venv)
+    pipeline-rl bench lag                  # 10. pipelined learning per second and per sample vs max_lag, KV policy
     pipeline-rl bench all                  # every one, in that order, sharing servers
     pipeline-rl bench inflight streams     # several, sharing servers
     pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
@@ -83,6 +84,12 @@ def _vs_trl(ctx: BenchContext) -> dict:
     return vs_trl.run(ctx)
 
 
+def _lag(ctx: BenchContext) -> dict:
+    from pipeline_rl.bench import lag
+
+    return lag.run(ctx)
+
+
 def _trainer_step(ctx: BenchContext) -> dict:
     from pipeline_rl.bench import trainer_step
 
@@ -99,6 +106,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "recovery": _recovery,
     "trainer-step": _trainer_step,
     "vs-trl": _vs_trl,
+    "lag": _lag,
 }
 
 
@@ -148,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vs-trl: demo,25m,100m",
     )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
-    g = p.add_argument_group("pipeline-vs-sync, vs-trl")
+    g = p.add_argument_group("pipeline-vs-sync, vs-trl, lag")
     g.add_argument(
         "--seeds", type=int, default=None, help="runs per mode, seeds 0..N-1 (default 3; 1 with --quick)"
     )
@@ -169,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="vs-trl: trl and our launch variants to compare (pipeline_vs_sync.VARIANTS), "
         "default pipeline,pipeline-torch,sync-colocated,trl",
+    )
+    g.add_argument(
+        "--lags", default=None, help="lag: the actor.max_lag values to run, e.g. 0,2,8 (default 0,1,2,4,8)"
     )
     g = p.add_argument_group("multihost")
     g.add_argument(
@@ -211,6 +222,7 @@ def _options(args: argparse.Namespace) -> dict:
         "run_s": args.run_s,
         "recipe": args.recipe,
         "systems": args.systems.split(",") if args.systems else None,
+        "lags": ints(args.lags),
     }
     return {k: v for k, v in options.items() if v is not None}
 

@@ -53,6 +53,7 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     measure_run,
     median_of,
     median_time_to_target,
+    plot_accuracy,
     time_to_text,
 )
 
@@ -194,45 +195,6 @@ def _spread(results: list[dict], key: str, digits: int = 0) -> str:
     return text + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
 
 
-def _plot(ctx: BenchContext, results: dict[str, list[dict]], run_s: int) -> Path | None:
-    """Held-out accuracy vs seconds per system: the median over seeds, min-max as a band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    grid = np.arange(0, run_s + 1, 2.0)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for system, runs in results.items():
-        curves = []
-        for r in runs:
-            if not r["curve"]:
-                continue
-            t, acc = zip(*sorted(r["curve"]), strict=True)
-            # The accuracy last measured at each grid time (a step function, as the runs saw it).
-            idx = np.searchsorted(np.array(t), grid, side="right") - 1
-            curves.append(np.where(idx >= 0, np.array(acc)[np.clip(idx, 0, None)], np.nan))
-        if not curves:
-            continue
-        stack = np.vstack(curves)
-        (line,) = ax.plot(grid, np.nanmedian(stack, axis=0), label=f"{system} ({len(curves)} seeds)")
-        ax.fill_between(
-            grid, np.nanmin(stack, axis=0), np.nanmax(stack, axis=0), color=line.get_color(), alpha=0.2
-        )
-    ax.set_xlabel("seconds (ours: wall since the first step; TRL: training time)")
-    ax.set_ylabel("held-out accuracy (greedy, 100 problems)")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ctx.img_dir.mkdir(parents=True, exist_ok=True)
-    path = ctx.img_dir / "vs-trl.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def run(ctx: BenchContext) -> dict:
     python = ensure_trl_venv(ctx.log)
     sizes = ["demo"] if ctx.quick else (ctx.options.get("sizes") or ["demo", "25m", "100m"])
@@ -296,7 +258,6 @@ def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int) ->
         goal = goal_line(name, None, "neither reached it in this run.")
     else:
         goal = goal_line(name, ours is not None, f"only {'ours' if ours is not None else 'TRL'} reached it.")
-    run_s = max((t for runs in demo.values() for r in runs for t, _ in r["curve"]), default=0)
     intro = (
         f"TRL {TRL_VERSION} `GRPOTrainer` (its own venv, one process, every core) vs `mode=pipeline` and "
         "`mode=sync` of `pipeline-rl launch` with the demo recipe, on the warmed-up demo model: same task, "
@@ -307,7 +268,8 @@ def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int) ->
         f"{EVAL_EVERY_S} s, first reaches each level. Our clock is wall time from the run's first step "
         "(evaluations share the engine); TRL's is training time with its evaluations paused out."
     )
-    images = [_plot(ctx, demo, int(run_s))]
+    xlabel = "seconds (ours: wall since the first step; TRL: training time)"
+    images = [i for i in [plot_accuracy(ctx, demo, "vs-trl", xlabel=xlabel)] if i is not None]
     publish(ctx, "vs-trl", section(ctx, "9. Against TRL's GRPOTrainer", intro, [table], [goal], images))
 
 

@@ -93,13 +93,14 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-6:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-7:] == [
         "streams",
         "shim",
         "multihost",
         "recovery",
         "trainer-step",
         "vs-trl",
+        "lag",
     ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"
 
@@ -126,7 +127,18 @@ def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path:
 
     t0 = 1000.0
     rows = [
-        {"type": "stats", "source": "trainer", "time": t0 + 1, "step": 1, "step_s": 2.0, "wait_data_s": 0.5}
+        {
+            "type": "stats",
+            "source": "trainer",
+            "time": t0 + 1,
+            "step": 1,
+            "version": 1,
+            "step_s": 2.0,
+            "wait_data_s": 0.5,
+            "samples_consumed": 128,
+            "lag_mean": 0.5,
+            "too_stale": 3,
+        }
     ]
     rows += [
         {"type": "stats", "source": "actor0", "time": t0 + i, "in_flight_server0": i % 2} for i in range(4)
@@ -137,14 +149,16 @@ def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path:
             "source": "trainer",
             "time": t0 + 40,
             "step": 2,
+            "version": 2,
             "step_s": 2.0,
             "wait_data_s": 0.5,
             "samples_consumed": 256,
+            "lag_mean": 1.5,
         },
     ]
     rows += [
-        {"type": "eval", "time": t0 + t, "accuracy": a}
-        for t, a in [(-5, 0.0), (10, 0.6), (20, 0.85), (30, 0.7)]
+        {"type": "eval", "time": t0 + t, "accuracy": a, "weight_version": v}
+        for t, a, v in [(-5, 0.0, 0), (10, 0.6, 1), (20, 0.85, 2), (30, 0.7, 2)]
     ]
     (tmp_path / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "summary.json").write_text(
@@ -156,6 +170,68 @@ def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path:
     assert measured["time_to_target_s"] is None  # 90% never reached
     assert measured["trainer_idle"] == 0.25 and measured["engine_idle"] == 0.5
     assert measured["samples_per_s"] == 256 / 40
+    # The same evaluations on the samples axis: samples trained into the version each one graded.
+    assert measured["curve_samples"] == [(0, 0.0), (128, 0.6), (256, 0.85), (256, 0.7)]
+    assert measured["samples_to_target"] is None
+    assert measured["lag_mean"] == 1.0 and measured["too_stale"] == 3
+
+
+def test_lag_study_sizes_the_buffer_so_the_lag_binds() -> None:
+    from pipeline_rl.bench.lag import lag_overrides
+
+    recipe = ["trainer.batch_size=128", "actor.max_buffered_groups=64", "actor.max_lag=2"]
+    # 16 groups per step: lag 8 may hold 9 steps of groups, more than the recipe's buffer of 64.
+    assert lag_overrides(recipe, 8, "keep") == (
+        "actor.max_lag=8",
+        "actor.max_buffered_groups=144",
+        "inference.kv_after_update=keep",
+    )
+    assert lag_overrides(recipe, 0, "recompute")[1] == "actor.max_buffered_groups=64"
+
+
+def test_lag_study_publishes_seconds_and_samples_per_setting(tmp_path: Path) -> None:
+    from pipeline_rl.bench.common import BenchContext
+    from pipeline_rl.bench.lag import publish_lag
+
+    def measured(t90: float | None, n90: int | None, lag: float) -> dict:
+        curve = [(0.0, 0.2), (20.0, 0.95 if t90 else 0.6)]
+        return {
+            "time_to_s": {"50%": 20.0, "80%": t90, "90%": t90},
+            "time_to_target_s": t90,
+            "samples_to_target": n90,
+            "curve": curve,
+            "curve_samples": [(0, 0.2), (2560, curve[1][1])],
+            "accuracy_after": curve[1][1],
+            "samples_per_s": 100.0,
+            "lag_mean": lag,
+            "too_stale": 0,
+        }
+
+    ctx = BenchContext(
+        quick=False,
+        repeats=1,
+        command="pipeline-rl bench lag",
+        doc_path=tmp_path / "b.md",
+        img_dir=tmp_path / "img",
+        out_dir=tmp_path,
+        pool=None,
+    )
+    configs = {
+        "lag0-recompute": (0, "recompute"),
+        "lag2-recompute": (2, "recompute"),
+        "lag2-keep": (2, "keep"),
+    }
+    results = {
+        "lag0-recompute": [measured(None, None, 0.0)],
+        "lag2-recompute": [measured(20.0, 2560, 1.2)],
+        "lag2-keep": [measured(20.0, 2560, 1.4)],
+    }
+    publish_lag(ctx, results, configs, seeds=1, wall_s=100)
+    text = (tmp_path / "b.md").read_text()
+    assert "| max_lag" in text and "samples to 90%" in text
+    assert "| 0       | recompute" in text and "not reached" in text and "| 2560" in text
+    assert "**Goal" in text and "lag2-recompute did (20 s); max_lag 0 did not." in text
+    assert (tmp_path / "img" / "lag-samples.png").stat().st_size > 0
 
 
 def test_vs_trl_reads_the_trl_runs_output_on_trainings_clock(tmp_path: Path) -> None:
