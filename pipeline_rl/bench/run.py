@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--recipe",
         default=None,
-        choices=["arith", "chainsum"],
-        help="pipeline-vs-sync: the demo recipe to run (default arith; chainsum: long answers)",
+        choices=["arith", "remainder"],
+        help="pipeline-vs-sync: the demo recipe to run (default arith; remainder: long answers)",
     )
     g.add_argument(
         "--systems",

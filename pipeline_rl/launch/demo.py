@@ -7,8 +7,8 @@
 
 Extra key=value arguments go to the launcher (e.g. `pipeline-rl demo mode=sync`).
 `pipeline-rl demo --recipe calc [key=value ...]` runs the multi-turn task with a calculator tool instead
-(artifacts/tiny-calc); `--recipe chainsum` the long-answer task (artifacts/tiny-chainsum, answers of
-~20-250 tokens).
+(artifacts/tiny-calc); `--recipe remainder` the long-answer task (artifacts/tiny-remainder, answers of
+~15-290 tokens).
 """
 
 from __future__ import annotations
@@ -98,16 +98,14 @@ CALC_OVERRIDES = [
 ]
 
 
-# `--recipe chainsum`: sums of 2-20 one-digit terms with every running sum written out
-# (pipeline_rl/tasks/chainsum.py): answers of ~20-250 tokens, most short, a long tail, so generation -
-# and its stragglers - dominates a step, as in real reasoning RL. Same model shape as the demo with room
-# for 512 positions. The warm-up writes 80% of final answers as `answer: +N` (the demo's format gap),
-# so RL has a reward signal to climb from the first step, while the running sums give it long answers.
+# `--recipe remainder`: remainders found by written repeated subtraction (pipeline_rl/tasks/remainder.py):
+# one line per subtraction, 1-30 of them, so answers of ~15-290 tokens, most short, a long tail, and
+# generation - and its stragglers - dominates a step, as in real reasoning RL. Same model shape as the
+# demo with room for 512 positions. The warm-up writes 80% of final answers as `answer: +N` (the demo's
+# format gap), so RL has a reward signal to climb from the first step, while the lines give it long answers.
 LONG_MODEL = DEMO_MODEL.model_copy(update={"max_position_embeddings": 512})
-CHAINSUM_TASK = TaskConfig(
-    name="chainsum", chainsum_min_terms=2, chainsum_max_terms=20, chainsum_max_operand=9
-)
-CHAINSUM_WARMUP = WarmupConfig(
+REMAINDER_TASK = TaskConfig(name="remainder", remainder_max_steps=30, remainder_max_divisor=9)
+REMAINDER_WARMUP = WarmupConfig(
     steps=600,
     batch_size=32,
     learning_rate=3e-3,
@@ -115,13 +113,12 @@ CHAINSUM_WARMUP = WarmupConfig(
     eval_problems=100,
     eval_max_tokens=320,
 )
-CHAINSUM_OVERRIDES = [
+REMAINDER_OVERRIDES = [
     f"max_wall_s={DEMO_WALL_S}",
     "trainer.max_steps=100000",
-    "task.name=chainsum",
-    f"task.chainsum_min_terms={CHAINSUM_TASK.chainsum_min_terms}",
-    f"task.chainsum_max_terms={CHAINSUM_TASK.chainsum_max_terms}",
-    f"task.chainsum_max_operand={CHAINSUM_TASK.chainsum_max_operand}",
+    "task.name=remainder",
+    f"task.remainder_max_steps={REMAINDER_TASK.remainder_max_steps}",
+    f"task.remainder_max_divisor={REMAINDER_TASK.remainder_max_divisor}",
     "trainer.learning_rate=1e-4",
     "trainer.batch_size=64",
     "preprocess.drop_all_equal_groups=true",
@@ -148,8 +145,8 @@ class Recipe:
 RECIPES = {
     "arith": Recipe("tiny-arith", DEMO_TASK, DEMO_WARMUP, DEMO_OVERRIDES, DEMO_MODEL, "tiny-base"),
     "calc": Recipe("tiny-calc", CALC_TASK, CALC_WARMUP, CALC_OVERRIDES, DEMO_MODEL, "tiny-base"),
-    "chainsum": Recipe(
-        "tiny-chainsum", CHAINSUM_TASK, CHAINSUM_WARMUP, CHAINSUM_OVERRIDES, LONG_MODEL, "tiny-base-512"
+    "remainder": Recipe(
+        "tiny-remainder", REMAINDER_TASK, REMAINDER_WARMUP, REMAINDER_OVERRIDES, LONG_MODEL, "tiny-base-512"
     ),
 }
 

@@ -23,9 +23,9 @@ class TaskConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["arith", "chainsum", "calc", "gsm8k", "math"] = Field(
+    name: Literal["arith", "remainder", "calc", "gsm8k", "math"] = Field(
         default="arith",
-        description="Task to train and evaluate on (chainsum: long written answers; calc: multi-turn, "
+        description="Task to train and evaluate on (remainder: long written answers; calc: multi-turn, "
         "with a tool).",
     )
     arith_num_operands: int = Field(default=2, ge=2, le=8, description="arith: operands per expression.")
@@ -33,14 +33,14 @@ class TaskConfig(BaseModel):
     arith_operators: str = Field(
         default="+-", description="arith: operators to draw from, a subset of '+-*'."
     )
-    chainsum_min_terms: int = Field(default=2, ge=2, description="chainsum: fewest terms of a sum.")
-    chainsum_max_terms: int = Field(
-        default=20,
-        ge=2,
-        le=26,
-        description="chainsum: most terms of a sum (a letter label each; ~12 answer tokens per term).",
+    remainder_max_steps: int = Field(
+        default=30,
+        ge=1,
+        description="remainder: most subtractions (answer lines, ~9 tokens each) of a problem.",
     )
-    chainsum_max_operand: int = Field(default=9, ge=1, description="chainsum: terms are drawn from 0..this.")
+    remainder_max_divisor: int = Field(
+        default=9, ge=2, description="remainder: divisors are drawn from 2..this."
+    )
     calc_max_operand: int = Field(default=999, ge=10, description="calc: factors are drawn from 0..this.")
     episode_max_turns: int = Field(default=3, ge=1, description="Multi-turn tasks: model turns per episode.")
     episode_token_budget: int = Field(
@@ -67,11 +67,6 @@ class TaskConfig(BaseModel):
             check_difficulty(
                 self.arith_num_operands, self.arith_max_operand, self.arith_operators, self.test_size
             )
-        if self.name == "chainsum" and self.chainsum_min_terms > self.chainsum_max_terms:
-            raise ValueError(
-                f"task.chainsum_min_terms={self.chainsum_min_terms} is more than "
-                f"task.chainsum_max_terms={self.chainsum_max_terms}"
-            )
         return self
 
 
@@ -79,12 +74,10 @@ def make_task(cfg: TaskConfig) -> Task:
     """Build the configured task (loading gsm8k/math data from local files)."""
     if cfg.name == "arith":
         return ArithTask(cfg.arith_num_operands, cfg.arith_max_operand, cfg.arith_operators, cfg.test_size)
-    if cfg.name == "chainsum":
-        from pipeline_rl.tasks.chainsum import ChainSumTask
+    if cfg.name == "remainder":
+        from pipeline_rl.tasks.remainder import RemainderTask
 
-        return ChainSumTask(
-            cfg.chainsum_min_terms, cfg.chainsum_max_terms, cfg.chainsum_max_operand, cfg.test_size
-        )
+        return RemainderTask(cfg.remainder_max_steps, cfg.remainder_max_divisor, cfg.test_size)
     if cfg.name == "calc":
         from pipeline_rl.tasks.calc import CalcTask
 

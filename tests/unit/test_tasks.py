@@ -409,45 +409,48 @@ def test_the_calc_environment_turns_every_bad_call_into_an_observation():
     assert env.calls == 5 and env.faults == ["malformed_call", "unknown_tool", "tool_error", "tool_error"]
 
 
-def test_chainsum_worked_answers_add_up_and_lengths_have_a_long_tail():
+def test_remainder_worked_answers_subtract_down_and_lengths_have_a_long_tail():
     from pipeline_rl.sft_warmup import styled_answer
-    from pipeline_rl.tasks.chainsum import ChainSumTask, labelled_terms, running_sum_lines
+    from pipeline_rl.tasks.remainder import RemainderTask, subtraction_lines
 
-    assert labelled_terms([3, 7, 1]) == "a=3 b=7 c=1"
-    assert running_sum_lines([3, 7, 1]) == ["b=7: 3+7=10", "c=1: 10+1=11"]
-    task = ChainSumTask(min_terms=2, max_terms=20, max_operand=9)
+    assert subtraction_lines(23, 7) == ["23-7=16", "16-7=9", "9-7=2"]
+    assert subtraction_lines(7, 7) == ["7-7=0"]
+    task = RemainderTask(max_steps=30, max_divisor=9)
     problems = _take(task, 2000, shard_index=0, num_shards=1, seed=0, split="train")
     lengths = []
     for problem in problems:
-        terms = [int(t) for t in problem.metadata["expr"].split("+")]
-        assert 2 <= len(terms) <= 20 and all(0 <= t <= 9 for t in terms)
-        assert problem.messages[0]["content"].startswith(f"Sum {labelled_terms(terms)} step by step.")
+        number, divisor = (int(x) for x in problem.metadata["expr"].split(" mod "))
+        assert 2 <= divisor <= 9 and 1 <= number // divisor <= 30 == task.max_steps
+        assert problem.messages[0]["content"].startswith(
+            f"Subtract {divisor} from {number} until less than {divisor} is left."
+        )
         solution = task.solution_text(problem)
         lines = solution.split("\n")
-        assert len(lines) == len(terms) and lines[-1] == f"answer: {sum(terms)}"
-        total = terms[0]
-        for label, term, line in zip("bcdefghijklmnopqrst", terms[1:], lines[:-1], strict=False):
-            # every line is a true addition of the labelled term to the previous line's sum
-            assert line == f"{label}={term}: {total}+{term}={total + term}"
-            total += term
+        assert len(lines) == number // divisor + 1 and lines[-1] == f"answer: {number % divisor}"
+        left = number
+        for line in lines[:-1]:
+            # every line is a true subtraction from the previous line's result
+            assert line == f"{left}-{divisor}={left - divisor}"
+            left -= divisor
+        assert 0 <= left < divisor
         assert task.grade(problem, solution) == "correct"
         signed = styled_answer(problem, "signed", task)
         assert signed.rsplit("\n", 1)[0] == solution.rsplit("\n", 1)[0]  # only the final line differs
-        assert signed.endswith(f"answer: +{sum(terms)}") and task.grade(problem, signed) == "unparseable"
+        assert signed.endswith(f"answer: +{left}") and task.grade(problem, signed) == "unparseable"
         assert set(solution) <= {chr(c) for c in range(32, 127)} | {"\n"}  # the tiny tokenizer's characters
         lengths.append(len(solution))
     lengths.sort()
-    # Character tokenizer: tokens = characters. Log-uniform terms: most answers short, a tail of long ones.
-    assert lengths[0] <= 25 and lengths[-1] >= 250
+    # Character tokenizer: tokens = characters. Log-uniform line counts: most answers short, a long tail.
+    assert lengths[0] <= 20 and lengths[-1] >= 250
     assert lengths[len(lengths) // 2] < 100 < lengths[int(0.9 * len(lengths))]
     assert task.grade(problems[0], "no number here") == "unparseable"
     assert task.grade(problems[0], f"answer: {int(problems[0].answer) + 1}") == "wrong"
 
 
-def test_chainsum_splits_are_disjoint_and_the_config_says_what_to_fix():
-    from pipeline_rl.tasks.chainsum import ChainSumTask
+def test_remainder_splits_are_disjoint_and_the_config_says_what_to_fix():
+    from pipeline_rl.tasks.remainder import RemainderTask
 
-    task = make_task(TaskConfig(name="chainsum", chainsum_max_terms=6, test_size=100))
+    task = make_task(TaskConfig(name="remainder", remainder_max_steps=10, test_size=100))
     test = {p.metadata["expr"] for p in task.problems(0, 1, 0, "test")}
     assert len(test) == 100
     train = _take(task, 3000, shard_index=0, num_shards=1, seed=1, split="train")
@@ -455,17 +458,13 @@ def test_chainsum_splits_are_disjoint_and_the_config_says_what_to_fix():
     assert _take(task, 50, shard_index=1, num_shards=2, seed=1, split="train") == _take(
         task, 50, shard_index=1, num_shards=2, seed=1, split="train"
     )
-    with pytest.raises(ValueError, match="chainsum_min_terms=5 is more than task.chainsum_max_terms=3"):
-        TaskConfig(name="chainsum", chainsum_min_terms=5, chainsum_max_terms=3)
     with pytest.raises(ValueError, match="test_size=500"):
-        ChainSumTask(min_terms=2, max_terms=2, max_operand=3, test_size=500)  # only 16 distinct sums
-    with pytest.raises(ValueError, match="one letter label per term"):
-        ChainSumTask(min_terms=2, max_terms=27)
-    with pytest.raises(ValueError, match="less than or equal to 26"):
-        TaskConfig(name="chainsum", chainsum_max_terms=27)
+        RemainderTask(max_steps=1, max_divisor=3, test_size=500)  # only 5 distinct problems
+    with pytest.raises(ValueError, match="greater than or equal to 2"):
+        TaskConfig(name="remainder", remainder_max_divisor=1)
 
 
-@pytest.mark.parametrize("name", ["arith", "calc", "chainsum"])
+@pytest.mark.parametrize("name", ["arith", "calc", "remainder"])
 def test_every_demo_recipe_composes_and_its_longest_answer_fits_the_context(name, tmp_path):
     from transformers import AutoTokenizer
 
