@@ -22,7 +22,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from pipeline_rl.tasks.base import Grade, Problem, Split, check_shard, generated_train_stream
+from pipeline_rl.tasks.base import Grade, Problem, Split, generated_problems
 
 ARITH_OPERATORS = "+-*"
 ARITH_PROMPT = "What is {expr}? Reply with answer: <integer>"
@@ -96,7 +96,6 @@ class ArithTask:
         # The test set depends on the difficulty only, never on the run seed, so evaluations of
         # different runs are comparable; train draws skip these expressions.
         self._test = self._make_test_set(test_size)
-        self._test_exprs = {expr for expr, _ in self._test}
 
     def _draw(self, rng: random.Random) -> tuple[str, int]:
         operands = [rng.randint(0, self.max_operand) for _ in range(self.num_operands)]
@@ -121,14 +120,9 @@ class ArithTask:
         )
 
     def problems(self, shard_index: int, num_shards: int, seed: int, split: Split) -> Iterator[Problem]:
-        check_shard(shard_index, num_shards)
-        if split == "test":
-            for index in range(shard_index, len(self._test), num_shards):
-                yield self._problem(index, *self._test[index], split)
-            return
-        stream = generated_train_stream("arith", seed, shard_index, num_shards, self._draw, self._test_exprs)
-        for index, expr, value in stream:
-            yield self._problem(index, expr, value, split)
+        return generated_problems(
+            "arith", self._test, self._draw, self._problem, shard_index, num_shards, seed, split
+        )
 
     def grade(self, problem: Problem, completion_text: str) -> Grade:
         value = parse_answer(completion_text)

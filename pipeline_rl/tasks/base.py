@@ -62,24 +62,33 @@ def check_shard(shard_index: int, num_shards: int) -> None:
         raise ValueError(f"shard_index must be in [0, num_shards); got {shard_index=} {num_shards=}")
 
 
-def generated_train_stream(
+def generated_problems(
     key: str,
-    seed: int,
+    test: list[tuple[str, int]],
+    draw: Callable[[random.Random], tuple[str, int]],
+    make_problem: Callable[[int, str, int, Split], Problem],
     shard_index: int,
     num_shards: int,
-    draw: Callable[[random.Random], tuple[str, int]],
-    excluded: set[str],
-) -> Iterator[tuple[int, str, int]]:
-    """(index, expression, value) of a generated task's train split, endless, for one shard.
+    seed: int,
+    split: Split,
+) -> Iterator[Problem]:
+    """One shard of a generated task's split: `test` (the fixed held-out (expression, value) list) dealt
+    round-robin over shards, or the endless train stream.
 
-    Problem g is drawn from its own RNG (seeded `key:seed:g`), so the union over shards does not depend
-    on num_shards and shard s owns exactly the indices g = s (mod num_shards). Expressions in
-    `excluded` (the test split) are drawn again.
+    Train problem g is drawn from its own RNG (seeded `key:seed:g`), so the union over shards does not
+    depend on num_shards and shard s owns exactly the indices g = s (mod num_shards); a draw that is a
+    test expression is drawn again.
     """
+    check_shard(shard_index, num_shards)
+    if split == "test":
+        for index in range(shard_index, len(test), num_shards):
+            yield make_problem(index, *test[index], split)
+        return
+    excluded = {expr for expr, _ in test}
     for k in count():
         index = k * num_shards + shard_index
         rng = random.Random(f"{key}:{seed}:{index}")
         expr, value = draw(rng)
         while expr in excluded:
             expr, value = draw(rng)
-        yield index, expr, value
+        yield make_problem(index, expr, value, split)

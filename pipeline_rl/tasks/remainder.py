@@ -30,7 +30,7 @@ import random
 from collections.abc import Iterator
 
 from pipeline_rl.tasks.arith import parse_answer
-from pipeline_rl.tasks.base import Grade, Problem, Split, check_shard, generated_train_stream
+from pipeline_rl.tasks.base import Grade, Problem, Split, generated_problems
 
 REMAINDER_PROMPT = (
     "Subtract {divisor} from {number} until less than {divisor} is left. Reply with answer: <integer>"
@@ -61,7 +61,6 @@ class RemainderTask:
             raise ValueError(f"task.remainder_max_divisor={max_divisor} must be >= {MIN_DIVISOR}")
         self.max_steps, self.max_divisor = max_steps, max_divisor
         self._test = self._make_test_set(test_size)
-        self._test_exprs = {expr for expr, _ in self._test}
 
     def _draw(self, rng: random.Random) -> tuple[str, int]:
         # Log-uniform number of subtractions: as many problems with 2-4 lines as with 8-16.
@@ -93,16 +92,9 @@ class RemainderTask:
         )
 
     def problems(self, shard_index: int, num_shards: int, seed: int, split: Split) -> Iterator[Problem]:
-        check_shard(shard_index, num_shards)
-        if split == "test":
-            for index in range(shard_index, len(self._test), num_shards):
-                yield self._problem(index, *self._test[index], split)
-            return
-        stream = generated_train_stream(
-            "remainder", seed, shard_index, num_shards, self._draw, self._test_exprs
+        return generated_problems(
+            "remainder", self._test, self._draw, self._problem, shard_index, num_shards, seed, split
         )
-        for index, expr, value in stream:
-            yield self._problem(index, expr, value, split)
 
     def solution_text(self, problem: Problem) -> str:
         """The worked answer (supervised warm-up): every subtraction, then `answer: N`."""
