@@ -53,6 +53,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port but not yet listening: from now on the kernel gives this port
+    to no other bind(0) (free_port) and to no outgoing connection's local port, while a client that
+    connects is still refused until a server listens on it.
+
+    A server that binds only once its engine is up (uvicorn binds after the app's startup, ~20 s for
+    vLLM) leaves the port its launcher picked with free_port() to whichever process needs a port
+    meanwhile (seen once in a benchmark: "address already in use" after the engine had loaded);
+    reserving it first shrinks that race to the server's own start. SO_REUSEADDR, as uvicorn sets it,
+    so a restart on the same port is not refused for the old connections' TIME_WAIT.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve_argv(
     model: str | os.PathLike,
     port: int,

@@ -42,6 +42,7 @@ from inference_shim.openai_format import (
     usage_chunk,
 )
 from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
+from inference_shim.procs import reserve_port
 from inference_shim.protocol import ErrorResponse, InitProcessGroupRequest, WeightUpdateRequest
 from inference_shim.tool_calls import ChoiceTools, output_constraint
 
@@ -441,10 +442,18 @@ def serve(cfg: ServeConfig, engine_options: dict) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.host not in LOOPBACK_HOSTS:  # ServeConfig refused this without a token
         log.warning("binding %s: the routes are reachable from the network; firewall the port", cfg.host)
+    # The port first, the engine after: uvicorn binds only once the app's startup (the engine) is done.
+    try:
+        sock = reserve_port(cfg.host, cfg.port)
+    except OSError as err:
+        raise SystemExit(
+            f"inference server: cannot bind {cfg.host}:{cfg.port} ({err}); pick another --port"
+        ) from None
     metrics = ShimMetrics()
     backend = make_backend(cfg, engine_options, metrics)
     backend.awaiting_weights = cfg.await_weights
     app = create_app(backend, metrics, cfg.token, cfg.limits, cfg.api_key)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
     if app.state.engine_failure is not None:
         raise SystemExit(f"inference server stopped: {app.state.engine_failure}")

@@ -15,7 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from inference_shim.procs import free_port, log_tail, serve_argv, start_child, stop_process_tree, wait_healthy
+from inference_shim.procs import (
+    free_port,
+    log_tail,
+    reserve_port,
+    serve_argv,
+    start_child,
+    stop_process_tree,
+    wait_healthy,
+)
 
 
 def _gone(pid: int, timeout_s: float = 5.0) -> bool:
@@ -118,3 +126,22 @@ def test_wait_healthy_returns_once_health_answers_and_times_out_otherwise(tmp_pa
             wait_healthy(f"http://127.0.0.1:{port}", 1, proc, path="/missing")
     finally:
         stop_process_tree(proc, grace_s=2)
+
+
+def test_a_reserved_port_is_taken_but_refuses_connections_until_served() -> None:
+    # What the server does before its engine starts: the launcher's port is its own from then on, and a
+    # health poll during the engine's startup is refused (not left hanging in a listen backlog).
+    port = free_port()
+    sock = reserve_port("127.0.0.1", port)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        sock.listen()  # what uvicorn does once the app has started
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        # A second server on the same port is told so at once, not after its engine has loaded.
+        with pytest.raises(OSError):
+            reserve_port("127.0.0.1", port)
+    finally:
+        sock.close()
