@@ -41,20 +41,15 @@ def servers_needed(ctx: BenchContext) -> list:
     return []  # every run starts its own servers through the launcher
 
 
-def _recipe_value(overrides: list[str], key: str, default: int) -> int:
-    """An integer setting of a demo recipe's override list (the last one wins, as in the launcher)."""
-    values = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
-    return int(values[-1]) if values else default
-
-
 def lag_overrides(recipe_overrides: list[str], lag: int, kv: str) -> tuple[str, ...]:
     """The launch overrides of one (max_lag, KV policy) run: the buffer sized so the lag binds."""
-    groups_per_step = _recipe_value(recipe_overrides, "trainer.batch_size", 128) // _recipe_value(
-        recipe_overrides, "actor.attempts", 8
-    )
-    buffered = max(
-        _recipe_value(recipe_overrides, "actor.max_buffered_groups", 64), groups_per_step * (lag + 1)
-    )
+    from pipeline_rl.launch.compose import compose
+
+    cfg = compose(
+        ["model_path=unused", *recipe_overrides]
+    )  # the recipe's typed config, as the launcher sees it
+    groups_per_step = cfg.trainer.batch_size // cfg.actor.attempts
+    buffered = max(cfg.actor.max_buffered_groups, groups_per_step * (lag + 1))
     return (
         f"actor.max_lag={lag}",
         f"actor.max_buffered_groups={buffered}",
