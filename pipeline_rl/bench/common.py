@@ -97,6 +97,40 @@ def rotate(items: Sequence, i: int) -> list:
     return list(items[k:]) + list(items[:k])
 
 
+def run_interleaved(
+    ctx: BenchContext, names: Sequence[str], seeds: int, one_run, json_name: str
+) -> tuple[dict[str, list[dict]], list[str]]:
+    """one_run(name, seed) -> measured dict, for every name once per seed, the order rotating with the
+    seed. Returns each name's measured runs and a line per failed run.
+
+    A run that fails (a crashed launch, a missing result file) is logged and recorded, and the others go
+    on: a benchmark of hours must not lose its finished runs to one bad one. The JSON (runs and failures)
+    is rewritten after every run, so a benchmark stopped halfway keeps what it measured."""
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    failures: list[str] = []
+    for i in range(seeds):
+        for name in rotate(list(names), i):
+            try:
+                measured = one_run(name, i)
+            except Exception as exc:  # any one run's failure is recorded, not fatal; Ctrl-C still stops
+                failures.append(f"{name} seed {i}: {exc}")
+                ctx.log(f"{name} seed {i} FAILED (the others go on): {exc}")
+            else:
+                results[name].append(measured)
+                ctx.log(
+                    f"{name} seed {i}: { {k: v for k, v in measured.items() if not k.startswith('curve')} }"
+                )
+            ctx.save_json(json_name, {"runs": results, "failures": failures})
+    return results, failures
+
+
+def failures_note(failures: Sequence[str]) -> str:
+    """The sentence a results section carries when runs failed (empty when none did)."""
+    if not failures:
+        return ""
+    return f" **{len(failures)} run(s) failed and are left out:** " + "; ".join(failures) + "."
+
+
 # ---------------------------------------------------------------------------------------------------
 # Machine facts (so a reader can tell a quiet run from a noisy one)
 # ---------------------------------------------------------------------------------------------------

@@ -19,8 +19,17 @@ stale.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from pipeline_rl.bench.common import BenchContext, goal_line, markdown_table, publish, rotate, section
+from pipeline_rl.bench.common import (
+    BenchContext,
+    failures_note,
+    goal_line,
+    markdown_table,
+    publish,
+    run_interleaved,
+    section,
+)
 from pipeline_rl.bench.pipeline_vs_sync import (
     EVAL_EVERY_S,
     TARGET,
@@ -74,21 +83,19 @@ def run(ctx: BenchContext) -> dict:
     wall_s = ctx.options.get("run_s") or RUN_S["quick" if ctx.quick else "full"]
     seeds = ctx.options.get("seeds") or 1
     configs = {f"lag{lag}-{kv}": (lag, kv) for kv in policies for lag in lags}
-    results: dict[str, list[dict]] = {name: [] for name in configs}
-    for i in range(seeds):
-        for name in rotate(list(configs), i):
-            lag, kv = configs[name]
-            run_dir = ctx.out_dir / "lag" / f"{name}-{i}-{time.strftime('%H%M%S')}"
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            extra = lag_overrides(RECIPES[recipe].overrides, lag, kv)
-            if ctx.quick:  # an untrained model's groups are all-equal: keep them, so steps happen
-                extra += ("preprocess.drop_all_equal_groups=false",)
-            launch_run(ctx, "pipeline", model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
-            measured = measure_run(run_dir)
-            results[name].append(measured)
-            ctx.log(f"{name} seed {i}: { {k: v for k, v in measured.items() if not k.startswith('curve')} }")
-    ctx.save_json("lag", results)
-    return publish_lag(ctx, results, configs, seeds, wall_s)
+
+    def one_run(name: str, i: int) -> dict:
+        lag, kv = configs[name]
+        run_dir = ctx.out_dir / "lag" / f"{name}-{i}-{time.strftime('%H%M%S')}"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        extra = lag_overrides(RECIPES[recipe].overrides, lag, kv)
+        if ctx.quick:  # an untrained model's groups are all-equal: keep them, so steps happen
+            extra += ("preprocess.drop_all_equal_groups=false",)
+        launch_run(ctx, "pipeline", model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
+        return measure_run(run_dir)
+
+    results, failures = run_interleaved(ctx, list(configs), seeds, one_run, "lag")
+    return publish_lag(ctx, results, configs, seeds, wall_s, failures)
 
 
 def publish_lag(
@@ -97,6 +104,7 @@ def publish_lag(
     configs: dict[str, tuple[int, str]],
     seeds: int,
     wall_s: int,
+    failures: Sequence[str] = (),
 ) -> dict:
     levels = [f"{level:.0%}" for level in THRESHOLDS]
     target = f"{TARGET:.0%}"
@@ -161,6 +169,7 @@ def publish_lag(
         f"step, and samples trained into the evaluated weights, until greedy held-out accuracy (100 "
         f"problems, every {EVAL_EVERY_S} s) first reaches each level; mean lag = median over steps of the "
         "trained tokens' mean versions behind; too stale = samples the trainer dropped for exceeding max_lag."
+        + failures_note(failures)
     )
     images = [
         plot_accuracy(ctx, results, "lag-seconds"),

@@ -24,10 +24,11 @@ from pathlib import Path
 
 from pipeline_rl.bench.common import (
     BenchContext,
+    failures_note,
     goal_line,
     markdown_table,
     publish,
-    rotate,
+    run_interleaved,
     run_to_end,
     section,
 )
@@ -228,20 +229,21 @@ def run(ctx: BenchContext) -> dict:
     wall_s = ctx.options.get("run_s") or RUN_S["quick" if ctx.quick else "full"]
     # Seeds instead of the 5-repeat default of the others: each run is a whole RL run, minutes long.
     runs = ctx.options.get("seeds") or (1 if ctx.quick else 3)
-    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    for i in range(runs):
-        for mode in rotate(list(MODES), i):
-            run_dir = ctx.out_dir / "pipeline_vs_sync" / f"{mode}{i}-{time.strftime('%H%M%S')}"
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            launch_run(ctx, mode, model, run_dir, wall_s, seed=i, recipe=recipe)
-            measured = measure_run(run_dir, LEVELS[recipe])
-            results[mode].append(measured)
-            ctx.log(f"{mode} run {i}: { {k: v for k, v in measured.items() if k != 'curve'} }")
+
+    def one_run(mode: str, i: int) -> dict:
+        run_dir = ctx.out_dir / "pipeline_vs_sync" / f"{mode}{i}-{time.strftime('%H%M%S')}"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        launch_run(ctx, mode, model, run_dir, wall_s, seed=i, recipe=recipe)
+        return measure_run(run_dir, LEVELS[recipe])
+
     suffix = "" if recipe == "arith" else f"-{recipe}"
-    ctx.save_json(f"pipeline_vs_sync{suffix}", results)
+    results, failures = run_interleaved(ctx, list(MODES), runs, one_run, f"pipeline_vs_sync{suffix}")
 
     def med(mode: str, key: str):
         return median_of(results[mode], key)
+
+    def pct(value: float | None) -> str:
+        return f"{value:.1%}" if value is not None else "-"
 
     target = LEVELS[recipe][-1]
     levels = [f"{level:.0%}" for level in LEVELS[recipe]]
@@ -251,8 +253,8 @@ def run(ctx: BenchContext) -> dict:
             [
                 mode,
                 *(time_to_text(results[mode], level) for level in levels),
-                f"{med(mode, 'accuracy_before'):.1%}",
-                f"{med(mode, 'accuracy_after'):.1%}",
+                pct(med(mode, "accuracy_before")),
+                pct(med(mode, "accuracy_after")),
                 med(mode, "steps"),
                 med(mode, "samples_per_s"),
                 med(mode, "trainer_idle"),
@@ -301,6 +303,7 @@ def run(ctx: BenchContext) -> dict:
         "(`placement.colocate=true`). Pipelined trains "
         f"{sps_ratio:.2f}× the samples/s of the faster sync mode. Idle fractions: "
         "trainer = waiting for data / step time; engine = share of 1 s snapshots with nothing in flight."
+        + failures_note(failures)
     )
     title = "3. Pipelined vs synchronous RL" + ("" if recipe == "arith" else f" ({recipe}: long answers)")
     images = [plot_accuracy(ctx, results, f"pipeline-vs-sync{suffix}")]

@@ -273,7 +273,9 @@ def test_vs_trl_quick_creates_trls_own_venv_and_runs_every_system(tmp_path: Path
     result = _bench(*args, timeout_s=900, log_path=tmp_path / "bench.log")
     assert result.returncode == 0, _failure_excerpt(result.stdout)
     assert (TRL_VENV / "bin" / "python").exists()
-    data = json.loads((out / "vs_trl.json").read_text())["demo"]
+    saved = json.loads((out / "vs_trl-demo.json").read_text())
+    assert saved["failures"] == [], saved["failures"]
+    data = saved["runs"]
     for system in vs_trl.SYSTEMS:
         (run,) = data[system]
         assert run["steps"] > 0 and run["samples_per_s"] > 0, (system, run)
@@ -296,3 +298,38 @@ def test_a_run_that_never_reached_the_target_counts_as_slowest_in_the_goals() ->
     assert median_time_to_target(runs(30.0, None, 20.0)) == 30.0  # not 25: the miss is the slowest run
     assert median_time_to_target(runs(30.0, None, None)) is None  # the median run never got there
     assert median_time_to_target(runs()) is None
+
+
+def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path: Path) -> None:
+    """run_interleaved: the seed rotates the order, a run that raises is recorded, not fatal, and the JSON
+    on disk after each run holds every run so far (a benchmark stopped halfway keeps them)."""
+    from pipeline_rl.bench.common import BenchContext, failures_note, run_interleaved
+
+    ctx = BenchContext(
+        quick=False,
+        repeats=1,
+        command="pipeline-rl bench x",
+        doc_path=tmp_path / "b.md",
+        img_dir=tmp_path / "img",
+        out_dir=tmp_path,
+        pool=None,
+    )
+    order: list[tuple[str, int]] = []
+    snapshots: list[dict] = []
+
+    def one_run(name: str, seed: int) -> dict:
+        if order:  # what the previous run left on disk
+            snapshots.append(json.loads((tmp_path / "x.json").read_text()))
+        order.append((name, seed))
+        if (name, seed) == ("b", 0):
+            raise RuntimeError("b run failed (exit 1); see b.log")
+        return {"samples_per_s": 10.0 * seed + len(name), "curve": []}
+
+    results, failures = run_interleaved(ctx, ["a", "b"], 2, one_run, "x")
+    assert order == [("a", 0), ("b", 0), ("b", 1), ("a", 1)]
+    assert [r["samples_per_s"] for r in results["a"]] == [1.0, 11.0]
+    assert [r["samples_per_s"] for r in results["b"]] == [11.0]
+    assert failures == ["b seed 0: b run failed (exit 1); see b.log"]
+    assert snapshots[1]["failures"] == failures and len(snapshots[1]["runs"]["a"]) == 1
+    assert json.loads((tmp_path / "x.json").read_text())["runs"]["b"][0]["samples_per_s"] == 11.0
+    assert "1 run(s) failed" in failures_note(failures) and failures_note([]) == ""
