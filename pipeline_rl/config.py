@@ -123,6 +123,11 @@ class TrainerConfig(_Section):
         description="How the model sees a packed micro-batch: right-padded rows with an attention mask, or "
         "one packed row (attention over all its token pairs with sdpa; 4-7x slower on CPU, docs/trainer.md).",
     )
+    mixed_precision: Literal["no", "bf16"] = Field(
+        "no",
+        description="bf16: forward passes under torch.autocast(bfloat16); weights, gradients, optimizer "
+        "state and the loss stay float32 (what accelerate and TRL call bf16 mixed precision).",
+    )
     bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
     push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
     eject_failed_servers: bool = Field(

@@ -56,6 +56,9 @@ VARIANTS = {
     "pipeline-torch": ("mode=pipeline", "inference.backend=torch"),
     "sync-colocated-torch": ("mode=sync", "placement.colocate=true", "inference.backend=torch"),
     "pipeline-torch-colocated": ("mode=pipeline", "placement.colocate=true", "inference.backend=torch"),
+    # The trainer's forward passes under bf16 autocast (TRL's GRPOTrainer default); the engine stays float32.
+    "pipeline-bf16": ("mode=pipeline", "trainer.mixed_precision=bf16"),
+    "sync-colocated-bf16": ("mode=sync", "placement.colocate=true", "trainer.mixed_precision=bf16"),
 }
 
 

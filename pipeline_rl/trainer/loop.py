@@ -181,6 +181,7 @@ class Trainer:
             comm=self.comm,
             ref_model=self.ref_model,
             layout=self.cfg.trainer.micro_batch_layout,
+            mixed_precision=self.cfg.trainer.mixed_precision,
         )
         result.metrics["too_stale"] = len(stale.dropped_ids)
         if self.ledger is not None:

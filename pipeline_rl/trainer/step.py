@@ -125,8 +125,15 @@ def drop_stale(
 Layout = Literal["padded", "packed"]
 
 
+MixedPrecision = Literal["no", "bf16"]
+
+
 def forward_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, layout: Layout = "padded"
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    layout: Layout = "padded",
+    mixed_precision: MixedPrecision = "no",
 ):
     """(logits[T-1, V], logprobs of tokens 1..T-1) of one micro-batch, in its packed token order.
 
@@ -136,7 +143,20 @@ def forward_logprobs(
     attention that mask is a dense [T, T] one, so a packed micro-batch costs attention over all T^2 pairs
     where padded rows cost B * L_max^2: on CPU, forward + backward of the demo's 128 short samples took
     4-7x longer packed into 4096-token rows than padded (docs/trainer.md, "Micro-batch layout").
+
+    mixed_precision="bf16" runs the model under torch.autocast(bfloat16): its matmuls in bf16, the
+    float32 weights cast on the fly, so gradients and the optimizer stay float32. The logits are taken
+    back to float32 before the log-softmax either way (importance ratios need that precision).
     """
+    ids = batch["input_ids"]
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
+        logits = _model_logits(model, batch, layout)
+    logits = logits[:-1].float() / temperature
+    return logits, token_logprobs(logits, ids[0, 1:])
+
+
+def _model_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The model's logits [T, V] for the micro-batch's tokens, in packed order."""
     ids = batch["input_ids"]
     if layout == "packed":
         logits = model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits[0]
@@ -154,8 +174,7 @@ def forward_logprobs(
             use_cache=False,
         )
         logits = out.logits[valid]  # [T, V], back in packed order
-    logits = logits[:-1].float() / temperature
-    return logits, token_logprobs(logits, ids[0, 1:])
+    return logits
 
 
 def micro_batch_tensors(micro_batch, device: torch.device) -> dict[str, torch.Tensor]:
@@ -187,12 +206,13 @@ def train_step(
     comm: Comm,
     ref_model: torch.nn.Module | None = None,
     layout: Layout = "padded",
+    mixed_precision: MixedPrecision = "no",
 ) -> StepResult:
     """Forward/backward over the package's micro-batches and one optimizer step (collective).
 
     `step` is the step being taken (1-based): the weights in use are version step-1, which is what the
     lag of a trained token is measured against. `layout`: how the model sees a micro-batch
-    (forward_logprobs).
+    (forward_logprobs); `mixed_precision`: "bf16" runs the forward passes under bf16 autocast.
     """
     sums = _Sums()
     started = time.perf_counter()
@@ -204,12 +224,12 @@ def train_step(
         t1 = time.perf_counter()
         phase["collate_s"] += t1 - t0
         with strategy.micro_step(last=i == n - 1):
-            logits, new_lp = forward_logprobs(strategy.model, batch, temperature, layout)
+            logits, new_lp = forward_logprobs(strategy.model, batch, temperature, layout, mixed_precision)
             entropy = token_entropy(logits) if algo.entropy_coef > 0 else None
             ref = batch.get("ref_logprobs")
             if ref is None and ref_model is not None:
                 with torch.no_grad():
-                    ref = forward_logprobs(ref_model, batch, temperature, layout)[1]
+                    ref = forward_logprobs(ref_model, batch, temperature, layout, mixed_precision)[1]
             loss, m = rl_loss(
                 new_lp,
                 batch["old_logprobs"],

@@ -268,6 +268,48 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_big_batch(tiny_model
     assert sorted(results[0].sample_ids) == sorted(s.sample_id for s in samples)
 
 
+def test_bf16_mixed_precision_keeps_float32_weights_and_grads_and_close_logprobs(tiny_model, tmp_path):
+    """trainer.mixed_precision=bf16: the forward runs in bf16 (logprobs differ from float32 by bf16
+    rounding, not more), while logprobs, weights, gradients and the step stay float32."""
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
+    samples = [
+        s for g in make_groups(tiny_model, 2, seed=2) for s in group_to_training_samples(g, cfg.preprocess)
+    ]
+    batch = micro_batch_tensors(samples[:6], CPU)
+    model = _model(tiny_model)
+    with torch.no_grad():
+        _, full = forward_logprobs(model, batch, 1.0, "padded", "no")
+        _, half = forward_logprobs(model, batch, 1.0, "padded", "bf16")
+    assert half.dtype == torch.float32
+    gap = (full - half)[batch["mask"]].abs()
+    assert 0 < gap.max() < 0.1, f"bf16 logprobs off by {gap.max():.4f}"  # really bf16, and close
+
+    [package] = build_packages(cfg, samples, "b")
+    comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+    metrics = {}
+    for precision in ("no", "bf16"):
+        strategy = DDPStrategy(cfg, comm, tiny_model)
+        before = {n: p.detach().clone() for n, p in strategy.module.named_parameters()}
+        result = train_step(
+            strategy, package, cfg.algo, step=1, temperature=1.0, comm=comm, mixed_precision=precision
+        )
+        metrics[precision] = result.metrics
+        params = dict(strategy.module.named_parameters())
+        assert {p.dtype for p in params.values()} == {torch.float32}
+        assert {type(v) for state in strategy.optimizer.state.values() for v in state.values()} == {
+            torch.Tensor
+        }
+        assert {
+            v.dtype for st in strategy.optimizer.state.values() for k, v in st.items() if k != "step"
+        } == {torch.float32}
+        assert any(not torch.equal(before[n], p) for n, p in params.items()), "the step changed nothing"
+    assert metrics["bf16"]["loss"] == pytest.approx(metrics["no"]["loss"], abs=0.05)
+    assert metrics["bf16"]["grad_norm"] == pytest.approx(metrics["no"]["grad_norm"], rel=0.1)
+    assert metrics["bf16"]["logprob_mismatch"] > metrics["no"]["logprob_mismatch"]  # the sampler was float32
+
+
 def test_feed_takes_complete_batches_in_order_and_resumes_exactly(redis_server, tiny_model, tmp_path):
     cfg = run_config(tmp_path, redis_server.url, tiny_model)
     comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
