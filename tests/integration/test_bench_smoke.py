@@ -93,7 +93,7 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-7:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-8:] == [
         "streams",
         "shim",
         "multihost",
@@ -101,6 +101,7 @@ def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> Non
         "trainer-step",
         "vs-trl",
         "lag",
+        "engine-profile",
     ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"
 
@@ -333,3 +334,33 @@ def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path: Path) -> None:
     assert snapshots[1]["failures"] == failures and len(snapshots[1]["runs"]["a"]) == 1
     assert json.loads((tmp_path / "x.json").read_text())["runs"]["b"][0]["samples_per_s"] == 11.0
     assert "1 run(s) failed" in failures_note(failures) and failures_note([]) == ""
+
+
+def test_engine_profile_puts_each_process_and_stack_in_its_category() -> None:
+    from pipeline_rl.bench.engine_profile import categorize
+
+    worker = "\n".join(
+        [
+            "<module> (x:1);WorkerProc.worker_busy_loop (m.py:1);MessageQueue.dequeue (s.py:9);sched_yield (s.py:3) 30",
+            "<module> (x:1);WorkerProc.worker_busy_loop (m.py:1);Worker.execute_model (w.py:2);forward (q.py:5) 50",
+            "<module> (x:1);WorkerProc.worker_busy_loop (m.py:1);Worker.sample_tokens (w.py:3) 15",
+            "<module> (x:1);WorkerProc.worker_busy_loop (m.py:1);gc_collect (g.py:1) 5",
+        ]
+    )
+    role, counts = categorize(worker)
+    assert role == "worker"
+    assert counts == {
+        "waiting for the next step (busy-poll)": 30,
+        "model forward": 50,
+        "sampling + logprobs": 15,
+        "other": 5,
+    }
+    role, counts = categorize(
+        "run_engine_core (c.py:1);EngineCoreProc.run_busy_loop (c.py:2);EngineCore.step (c.py:3);"
+        "FutureWrapper.result (e.py:4) 7\nrun_engine_core (c.py:1);EngineCore.step (c.py:3);Scheduler.schedule (s.py:1) 2"
+    )
+    assert role == "engine core" and counts == {"waiting for the worker (busy-poll)": 7, "scheduling": 2}
+    role, counts = categorize(
+        "main (m.py:1);Runner.run (a.py:1);StreamingResponse.__call__ (s.py:1) 4\nbad line\n"
+    )
+    assert role == "shim (API)" and counts == {"HTTP + SSE streaming": 4}

@@ -1,0 +1,229 @@
+"""Benchmark 11, engine-profile: where a vLLM-CPU server's time goes while it decodes at the demo's sizes.
+
+    pipeline-rl bench engine-profile            # demo model, 64 requests in flight, 12 new tokens
+    pipeline-rl bench engine-profile --quick    # tiny untrained model, short windows: smoke test
+
+One shim server (vLLM-CPU, bound to one core as the launcher binds a server on a 2-core box) under the
+demo actor's load: closed-loop streaming chat requests, 64 in flight, 12 new tokens, temperature 1,
+logprobs (bench.load.ClosedLoop). Tokens/s over `--repeats` windows (default 3) without the profiler,
+then py-spy (`record --format raw`, 100 Hz, no idle samples) on every process of the server during one
+more window. Decode steps/s are estimated as tokens/s / requests in flight: vLLM runs every running
+request once per step, one new token each.
+
+A server is three processes: the shim (HTTP, chat template, the engine's output handling), vLLM's engine
+core (the scheduler; it sends each step to the worker and waits for the result) and its worker (the
+model). Each process's samples are put into categories by their stack (CATEGORIES, first match wins);
+`on CPU` is its samples / (rate x window), so the columns of one process add up to its on-CPU share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline_rl.bench.common import (
+    BenchContext,
+    StealMeter,
+    markdown_table,
+    median,
+    publish,
+    section,
+)
+from pipeline_rl.bench.load import ClosedLoop, served_model
+from pipeline_rl.bench.servers import ServerSpec
+
+CONCURRENCY = 64  # the demo actor's max_in_flight_per_server
+MAX_TOKENS = 12  # the demo recipe's actor.max_tokens
+RATE_HZ = 100
+# (process role, category, substrings of the stack; the first category with a match takes the sample).
+CATEGORIES = {
+    "worker": (
+        ("waiting for the next step (busy-poll)", ("MessageQueue.dequeue", "SpinCondition.wait")),
+        ("sampling + logprobs", ("sample_tokens", "Sampler.", "compute_logprobs")),
+        ("model forward", ("execute_model",)),
+        ("sending the result", ("enqueue_output", "MessageQueue.enqueue")),
+    ),
+    "engine core": (
+        (
+            "waiting for the worker (busy-poll)",
+            ("FutureWrapper.result", "acquire_read", "SpinCondition.wait"),
+        ),
+        ("sending the step to the worker", ("MessageQueue.enqueue",)),
+        ("scheduling", ("Scheduler.schedule",)),
+        ("bookkeeping of the step's output", ("update_from_output",)),
+        ("outputs to the shim (ZMQ)", ("process_output_sockets", "Socket.send", "_send_msg")),
+    ),
+    "shim (API)": (
+        ("chat template + tokenizing", ("apply_chat_template", "_render_chat", "_encode_plus")),
+        ("engine outputs: detokenize, logprobs", ("output_handler", "process_outputs_socket")),
+        ("HTTP + SSE streaming", ("StreamingResponse", "RequestResponseCycle", "HttpToolsProtocol")),
+        ("request handling", ("chat_completions", "VllmBackend.generate", "Middleware")),
+        ("event loop", ("Runner.run", "select")),
+    ),
+}
+
+
+def servers_needed(ctx: BenchContext) -> list:
+    return []  # every variant starts its own server
+
+
+def _model(ctx: BenchContext) -> Path:
+    if ctx.quick:
+        from pipeline_rl.tiny_model import build_tiny_model
+
+        return build_tiny_model(ctx.out_dir / "models" / "tiny")
+    from pipeline_rl.launch.demo import prepare_model
+
+    return prepare_model()
+
+
+def _role(stacks: list[str]) -> str:
+    text = "\n".join(stacks[:200])
+    if "WorkerProc" in text:
+        return "worker"
+    if "EngineCore" in text:
+        return "engine core"
+    return "shim (API)"
+
+
+def categorize(raw: str) -> tuple[str, collections.Counter]:
+    """(role, samples per category) of one process's py-spy raw output ("frame;frame;... count" lines)."""
+    rows = []
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            rows.append((stack, int(count)))
+    role = _role([s for s, _ in rows])
+    counts: collections.Counter = collections.Counter()
+    for stack, n in rows:
+        name = next(
+            (cat for cat, needles in CATEGORIES[role] if any(x in stack for x in needles)),
+            "other",
+        )
+        counts[name] += n
+    return role, counts
+
+
+def _server_pids(pid: int) -> list[int]:
+    """The server process and every process it started (vLLM's engine core and worker)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root.pid, *(child.pid for child in root.children(recursive=True))]
+
+
+async def _measure(
+    ctx: BenchContext, url: str, window_s: float, windows: int, pids: list[int], out: Path
+) -> dict:
+    load = ClosedLoop(url, served_model(url), CONCURRENCY, MAX_TOKENS, ramp_s=1.0)
+    task = asyncio.create_task(load.run())
+    try:
+        await asyncio.sleep(3.0)  # every worker in its loop, the batch of mixed ages
+        tokens_per_s = []
+        for _ in range(windows):
+            t0 = time.monotonic()
+            await asyncio.sleep(window_s)
+            t1 = time.monotonic()
+            tokens_per_s.append(load.tokens_between(t0, t1) / (t1 - t0))
+        ctx.log(f"tokens/s per window: {[round(x) for x in tokens_per_s]}; profiling {len(pids)} processes")
+        spies = {
+            pid: subprocess.Popen(
+                [
+                    str(Path(sys.executable).parent / "py-spy"),
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    str(int(window_s)),
+                    "-r",
+                    str(RATE_HZ),
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(out / f"{pid}.txt"),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for pid in pids
+        }
+        profiles = {}
+        for pid, spy in spies.items():
+            _, err = spy.communicate(timeout=window_s + 60)
+            path = out / f"{pid}.txt"
+            if spy.returncode != 0 or not path.exists():
+                raise RuntimeError(f"py-spy on pid {pid} failed: {err.decode(errors='replace')[-500:]}")
+            role, counts = categorize(path.read_text())
+            if sum(counts.values()):
+                profiles[role] = dict(counts)
+        return {"tokens_per_s": tokens_per_s, "profiles": profiles, "errors": load.errors[:3]}
+    finally:
+        load.stop()
+        await task
+
+
+def run(ctx: BenchContext) -> dict:
+    model = _model(ctx)
+    window_s = ctx.options.get("window_s") or (3.0 if ctx.quick else 10.0)
+    windows = 1 if ctx.quick else min(ctx.repeats, 3)
+    steal = StealMeter()
+    spec = ServerSpec("shim", model, max_model_len=96, max_num_seqs=CONCURRENCY)
+    url = ctx.pool.urls(spec, 1)[0]
+    out = ctx.out_dir / "engine_profile" / time.strftime("%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = asyncio.run(
+            _measure(ctx, url, window_s, windows, _server_pids(ctx.pool.pids(spec, 1)[0]), out)
+        )
+    finally:
+        ctx.pool.release(model)
+    ctx.save_json("engine_profile", result)
+    tps = result["tokens_per_s"]
+    steps = median(tps) / CONCURRENCY
+    table = markdown_table(
+        ["tokens/s (min-max)", "decode steps/s (est.)", "ms per step (est.)", "client errors"],
+        [
+            [
+                f"{median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f})",
+                f"{steps:.1f}",
+                f"{1000 / steps:.0f}",
+                len(result["errors"]),
+            ]
+        ],
+    )
+    rows = []
+    for role, categories in CATEGORIES.items():
+        counts = result["profiles"].get(role, {})
+        share = {
+            label: counts.get(label, 0) / (RATE_HZ * window_s) for label, _ in (*categories, ("other", ()))
+        }
+        rows.append(
+            [f"**{role}**", f"**{sum(share.values()):.0%}**", f"{sum(share.values()) * 1000 / steps:.0f}"]
+        )
+        rows += [[f"{label}", f"{v:.0%}", f"{v * 1000 / steps:.0f}"] for label, v in share.items()]
+    profile = markdown_table(["process / category", "share of the window", "ms per decode step"], rows)
+    worker = result["profiles"].get("worker", {})
+    forward = worker.get("model forward", 0) + worker.get("sampling + logprobs", 0)
+    missing = [role for role in CATEGORIES if role not in result["profiles"]]
+    summary = [
+        f"- The model's forward and sampling take {forward / (RATE_HZ * window_s):.0%} of the window"
+        + (f"; NOT profiled: {', '.join(missing)}." if missing else ".")
+    ]
+    intro = (
+        f"The demo model{' (tiny, --quick)' if ctx.quick else ''}, one shim server (vLLM-CPU) bound to one core, "
+        f"{CONCURRENCY} streaming requests of {MAX_TOKENS} tokens in flight, temperature 1, logprobs. "
+        f"Tokens/s over {windows} window(s) of {window_s:g} s, then py-spy at {RATE_HZ} Hz on every server "
+        f"process for {window_s:g} s. Profile: share of the window that process spent in each category "
+        "(samples / rate x window; no idle samples, so a process's rows add up to its time on CPU) and that "
+        "share in ms per estimated decode step; the three processes share one core."
+    )
+    body = section(
+        ctx, "11. Engine profile per decode step", intro, [table, profile], summary, (), steal.percent()
+    )
+    publish(ctx, "engine-profile", body)
+    return result
