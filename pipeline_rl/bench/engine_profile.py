@@ -194,14 +194,16 @@ def run(ctx: BenchContext) -> dict:
         ctx.pool.release(model)
     ctx.save_json("engine_profile", result)
     tps = result["tokens_per_s"]
-    steps = median(tps) / CONCURRENCY
+    profiled = result["profiled_tokens_per_s"]
+    # The profile's shares are of the profiled window, which py-spy slowed: per step of THAT window.
+    steps = max(profiled, 1e-9) / CONCURRENCY
     table = markdown_table(
-        ["tokens/s (min-max)", "decode steps/s (est.)", "ms per step (est.)", "client errors"],
+        ["tokens/s (min-max)", "decode steps/s (est.)", "tokens/s while profiled", "client errors"],
         [
             [
                 f"{median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f})",
-                f"{steps:.1f}",
-                f"{1000 / steps:.0f}",
+                f"{median(tps) / CONCURRENCY:.1f}",
+                f"{profiled:,.0f}",
                 len(result["errors"]),
             ]
         ],
@@ -216,7 +218,9 @@ def run(ctx: BenchContext) -> dict:
             [f"**{role}**", f"**{sum(share.values()):.0%}**", f"{sum(share.values()) * 1000 / steps:.0f}"]
         )
         rows += [[f"{label}", f"{v:.0%}", f"{v * 1000 / steps:.0f}"] for label, v in share.items()]
-    profile = markdown_table(["process / category", "share of the window", "ms per decode step"], rows)
+    profile = markdown_table(
+        ["process / category", "share of the window", "ms per decode step, profiled"], rows
+    )
     worker = result["profiles"].get("worker", {})
     forward = worker.get("model forward", 0) + worker.get("sampling + logprobs", 0)
     missing = [role for role in CATEGORIES if role not in result["profiles"]]
@@ -230,7 +234,9 @@ def run(ctx: BenchContext) -> dict:
         f"Tokens/s over {windows} window(s) of {window_s:g} s, then py-spy at {RATE_HZ} Hz on every server "
         f"process for {window_s:g} s. Profile: share of the window that process spent in each category "
         "(samples / rate x window; no idle samples, so a process's rows add up to its time on CPU) and that "
-        "share in ms per estimated decode step; the three processes share one core."
+        "share in ms per estimated decode step of the profiled window; the three processes share one core, "
+        "and the four py-spy processes and the client run on the other. No trainer has joined this server, so "
+        "its worker's idle busy-poll is vLLM's own (1 s after each call; a joined worker caps it at 10 ms, F3)."
     )
     body = section(
         ctx, "11. Engine profile per decode step", intro, [table, profile], summary, (), steal.percent()

@@ -10,6 +10,7 @@ model (pipeline_rl/launch/demo.py DEMO_MODEL) and the preprocessor's real packin
 as the step records them in trainer_metrics.jsonl. Variants, interleaved per repeat:
 
 - `padded` / `packed`: `trainer.micro_batch_layout` (how the model sees a packed micro-batch);
+- `padded bf16`: padded with `trainer.mixed_precision=bf16` (forward under bf16 autocast);
 - `plain loop`: the ceiling: the same samples as ONE right-padded batch through the bare model, a
   token-sum policy-gradient loss, backward and an AdamW step, no micro-batching, metrics or
   distributed wrapper - what a single-process trainer such as TRL's does per step.
@@ -40,7 +41,9 @@ SHAPES = {
     "long-tail": (64, (20, 300), 8),
 }
 QUICK_SHAPES = {"demo": (32, (1, 12), 8), "long-tail": (16, (20, 120), 8)}
-VARIANTS = ("padded", "packed", "plain loop")
+VARIANTS = ("padded", "padded bf16", "packed", "plain loop")
+# variant -> (trainer.micro_batch_layout, trainer.mixed_precision)
+TRAINER_VARIANTS = {"padded": ("padded", "no"), "padded bf16": ("padded", "bf16"), "packed": ("packed", "no")}
 PHASES = ("collate_s", "forward_s", "backward_s", "batch_metrics_s", "optimizer_s")
 
 
@@ -149,17 +152,26 @@ def run(ctx: BenchContext) -> dict:
         configs[name] = cfg
         packages[name] = _package(cfg, _groups(shape, vocab, seed=1))
     strategies = {}
-    for layout in ("padded", "packed"):
+    for variant, (layout, precision) in TRAINER_VARIANTS.items():
         cfg = configs["demo"].model_copy(deep=True)
         cfg.trainer.micro_batch_layout = layout
-        strategies[layout] = DDPStrategy(cfg, comm, model_dir)
+        cfg.trainer.mixed_precision = precision
+        strategies[variant] = DDPStrategy(cfg, comm, model_dir)
     plain = load_hf_model(model_dir, cpu)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     for name, package in packages.items():  # one untimed step each: first-call allocations
         _plain_step(plain, plain_optimizer, package)
-        for layout, strategy in strategies.items():
+        for variant, strategy in strategies.items():
+            layout, precision = TRAINER_VARIANTS[variant]
             train_step(
-                strategy, package, configs[name].algo, step=1, temperature=1.0, comm=comm, layout=layout
+                strategy,
+                package,
+                configs[name].algo,
+                step=1,
+                temperature=1.0,
+                comm=comm,
+                layout=layout,
+                mixed_precision=precision,
             )
     for rep in range(ctx.repeats):
         ctx.log(f"trainer-step: repeat {rep + 1}/{ctx.repeats}")
@@ -168,6 +180,7 @@ def run(ctx: BenchContext) -> dict:
                 if variant == "plain loop":
                     seconds = _plain_step(plain, plain_optimizer, package)
                 else:
+                    layout, precision = TRAINER_VARIANTS[variant]
                     started = time.perf_counter()
                     result = train_step(
                         strategies[variant],
@@ -176,7 +189,8 @@ def run(ctx: BenchContext) -> dict:
                         step=2 + rep,
                         temperature=1.0,
                         comm=comm,
-                        layout=variant,
+                        layout=layout,
+                        mixed_precision=precision,
                     )
                     seconds = time.perf_counter() - started
                     for phase in PHASES:
@@ -225,7 +239,7 @@ def run(ctx: BenchContext) -> dict:
             "the trainer's step within 1.25x of a plain single-process loop on the same samples (demo batch)",
             demo["padded"] <= 1.25 * demo["plain loop"],
             f"padded {demo['padded']:.3f} s, packed {demo['packed']:.3f} s, plain loop "
-            f"{demo['plain loop']:.3f} s (medians).",
+            f"{demo['plain loop']:.3f} s (medians); padded with bf16 autocast {demo['padded bf16']:.3f} s.",
         )
     ]
     intro = (
