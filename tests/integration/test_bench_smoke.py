@@ -190,8 +190,22 @@ def test_lag_study_sizes_the_buffer_so_the_lag_binds() -> None:
     assert lag_overrides(recipe, 0, "recompute")[1] == "actor.max_buffered_groups=64"
 
 
-def test_lag_study_publishes_seconds_and_samples_per_setting(tmp_path: Path) -> None:
+def _offline_context(tmp_path: Path, command: str):
+    """A BenchContext writing under tmp_path, with no server pool: for the parts that need no servers."""
     from pipeline_rl.bench.common import BenchContext
+
+    return BenchContext(
+        quick=False,
+        repeats=1,
+        command=command,
+        doc_path=tmp_path / "b.md",
+        img_dir=tmp_path / "img",
+        out_dir=tmp_path,
+        pool=None,
+    )
+
+
+def test_lag_study_publishes_seconds_and_samples_per_setting(tmp_path: Path) -> None:
     from pipeline_rl.bench.lag import publish_lag
 
     def measured(t90: float | None, n90: int | None, lag: float) -> dict:
@@ -208,15 +222,7 @@ def test_lag_study_publishes_seconds_and_samples_per_setting(tmp_path: Path) -> 
             "too_stale": 0,
         }
 
-    ctx = BenchContext(
-        quick=False,
-        repeats=1,
-        command="pipeline-rl bench lag",
-        doc_path=tmp_path / "b.md",
-        img_dir=tmp_path / "img",
-        out_dir=tmp_path,
-        pool=None,
-    )
+    ctx = _offline_context(tmp_path, "pipeline-rl bench lag")
     configs = {
         "lag0-recompute": (0, "recompute"),
         "lag2-recompute": (2, "recompute"),
@@ -304,17 +310,9 @@ def test_a_run_that_never_reached_the_target_counts_as_slowest_in_the_goals() ->
 def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path: Path) -> None:
     """run_interleaved: the seed rotates the order, a run that raises is recorded, not fatal, and the JSON
     on disk after each run holds every run so far (a benchmark stopped halfway keeps them)."""
-    from pipeline_rl.bench.common import BenchContext, failures_note, run_interleaved
+    from pipeline_rl.bench.common import failures_note, run_interleaved
 
-    ctx = BenchContext(
-        quick=False,
-        repeats=1,
-        command="pipeline-rl bench x",
-        doc_path=tmp_path / "b.md",
-        img_dir=tmp_path / "img",
-        out_dir=tmp_path,
-        pool=None,
-    )
+    ctx = _offline_context(tmp_path, "pipeline-rl bench x")
     order: list[tuple[str, int]] = []
     snapshots: list[dict] = []
 
