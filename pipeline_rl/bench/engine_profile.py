@@ -70,7 +70,7 @@ CATEGORIES = {
 
 
 def servers_needed(ctx: BenchContext) -> list:
-    return []  # every variant starts its own server
+    return []  # run() starts its own server and stops it
 
 
 def _model(ctx: BenchContext) -> Path:
