@@ -110,6 +110,12 @@ class TrainerConfig(_Section):
     checkpoint_every_s: float = Field(
         300.0, ge=0, description="Checkpoint once this many seconds passed since the last one (0 = off)."
     )
+    snapshot_every_s: float = Field(
+        0.0,
+        ge=0,
+        description="Save the weights (Hugging Face format, no optimizer) to run_dir/snapshots once this "
+        "many seconds passed since the last one, for evaluating them after the run (0 = off).",
+    )
     resume: bool = Field(
         False, description="Continue from the newest checkpoint that verifies (older ones are fallbacks)."
     )

@@ -83,7 +83,7 @@ log = logging.getLogger("pipeline_rl.preprocess")
 
 GROUP = "preprocess"  # consumer group of all preprocessors on `rollouts`
 READ_COUNT = 64  # most groups taken per read
-PROGRESS_EVERY_S = 1.0  # most frequent PreprocessorProgress (drops are published within this)
+PROGRESS_EVERY_S = 1.0  # most frequent progress for changes other than drops, and stats rows
 HEARTBEAT_EVERY_S = 5.0  # progress + stats even when nothing changed
 RECOVER_EVENTS = 5000  # newest trainer_events searched for our own last totals after a restart
 SEEN_GROUPS = 200_000  # group ids remembered for duplicate detection (~100 bytes each)
@@ -277,13 +277,22 @@ class Preprocessor:
 
     # ------------------------------------------------------------------ progress
     def publish(self, force: bool = False) -> None:
-        """PreprocessorProgress (and stats) when the totals changed, at most every PROGRESS_EVERY_S."""
+        """PreprocessorProgress when the totals changed, at most every PROGRESS_EVERY_S, but at once when
+        groups were dropped; stats at most every PROGRESS_EVERY_S.
+
+        Drops go out at once because an actor may be blocked on them: a dropped group frees its place
+        under the lag and buffer limits (actor/gate.py), and until the actor hears of it, it cannot start
+        the groups that replace it. With max_lag 0 (sync) every refill of a batch that dynamic sampling
+        thinned waited for this event; held back for up to PROGRESS_EVERY_S plus one blocking read, it
+        cost up to ~2 s per refill round.
+        """
         t = self.totals
         now = time.monotonic()
         current = (t.groups_in, t.groups_dropped, t.samples_out)
         changed = current != self._published
+        new_drops = self._published is not None and t.groups_dropped != self._published[1]
         due = now - self._last_publish >= (PROGRESS_EVERY_S if changed else HEARTBEAT_EVERY_S)
-        if not (force or due):
+        if not (force or due or new_drops):
             return
         self.events.write(
             PreprocessorProgress(
@@ -301,8 +310,10 @@ class Preprocessor:
             "groups_held": len(self.held),
             **t.last_batch,
         }
-        self.stats.write(StatsRecord(source=f"preprocessor{self.index}", values=values))
-        self._published, self._last_publish = current, now
+        if force or due:
+            self.stats.write(StatsRecord(source=f"preprocessor{self.index}", values=values))
+            self._last_publish = now
+        self._published = current
 
     # ------------------------------------------------------------------ restart recovery
     def _recover_totals(self) -> Totals:

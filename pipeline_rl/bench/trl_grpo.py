@@ -1,8 +1,9 @@
 """TRL's `GRPOTrainer` on one of our tasks: the baseline side of `pipeline-rl bench vs-trl`.
 
 Runs in the benchmark's own TRL venv (artifacts/trl-venv, made by pipeline_rl/bench/vs_trl.py), never in
-the project's; only `pipeline_rl.tasks` is imported from this repository (torch-free, pydantic only), so
-TRL sees exactly our problems, test split and grader:
+the project's; only `pipeline_rl.tasks` (torch-free, pydantic only) and the evaluator both sides share,
+`pipeline_rl.bench.greedy_eval` (torch and transformers only), are imported from this repository, so TRL
+sees exactly our problems, test split and grader:
 
     artifacts/trl-venv/bin/python -m pipeline_rl.bench.trl_grpo --model artifacts/tiny-arith \
         --seed 0 --run-s 200 --out /tmp/trl.jsonl
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from pipeline_rl.bench import greedy_eval
     from pipeline_rl.tasks import RewardConfig, TaskConfig, compute_reward, make_task
 
     if args.threads:
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     steps_wanted = 100_000
     prompts_needed = int(args.run_s * 20 + 1000)  # far more than TRL trains on in run_s (~16 prompts/step)
     train = _problems(task, args.seed, "train", prompts_needed)
-    test = _problems(task, 0, "test", args.eval_problems)
+    test = greedy_eval.held_out_problems(task, args.eval_problems)
     dataset = Dataset.from_list(
         [{"prompt": p.messages, "answer": p.answer, "index": p.prompt_index} for p in train]
     )
@@ -89,27 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         out.write(json.dumps(row) + "\n")
         out.flush()
 
-    @torch.no_grad()
     def held_out_accuracy() -> float:
-        was_training = model.training
-        model.eval()
-        texts = [
-            tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
-            for p in test
-        ]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        generated = model.generate(
-            **batch,
-            max_new_tokens=args.max_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        answers = tokenizer.batch_decode(
-            generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
-        )
-        model.train(was_training)
-        return sum(task.grade(p, a) == "correct" for p, a in zip(test, answers, strict=True)) / len(test)
+        return greedy_eval.held_out_accuracy(model, tokenizer, task, test, args.max_tokens)
 
     class Clock(TrainerCallback):
         """Training-time clock with evaluations outside it; stops the run after run_s."""

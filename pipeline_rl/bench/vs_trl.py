@@ -46,6 +46,7 @@ from pipeline_rl.bench.common import (
     run_to_end,
     section,
 )
+from pipeline_rl.bench.greedy_eval import evaluate_snapshots
 from pipeline_rl.bench.pipeline_vs_sync import (
     EVAL_EVERY_S,
     THRESHOLDS,
@@ -57,6 +58,7 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     plot_accuracy,
     time_to_text,
 )
+from pipeline_rl.config import load_run_config
 
 TRL_VERSION = "1.16.0"
 TORCH_VERSION = "2.13.0"  # resolves to the machine's local CPU wheel, as in scripts/setup.sh
@@ -74,8 +76,11 @@ def _ours(systems) -> list[str]:
 # size -> bench model name (pipeline_rl/bench/models.py); "demo" is the warmed-up demo model.
 BENCH_MODELS = {"25m": "100mb", "100m": "400mb"}
 RUN_S = {"full": 200, "throughput": 150, "quick": 20}
+# TRL's GRPOTrainer trains on every group (an all-equal group has zero advantage); the demo recipe's DAPO
+# dynamic sampling would drop those and refill, a different algorithm: off, as TRL has it.
+SAME_OBJECTIVE_AS_TRL = ("preprocess.drop_all_equal_groups=false",)
 # Throughput runs at sizes without a warm-up: every group is all-equal, so keep them.
-THROUGHPUT_OVERRIDES = ("preprocess.drop_all_equal_groups=false",)
+THROUGHPUT_OVERRIDES = SAME_OBJECTIVE_AS_TRL
 
 
 def servers_needed(ctx: BenchContext) -> list:
@@ -183,8 +188,13 @@ def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, s
         out = run_dir.with_suffix(".jsonl")
         run_trl(ctx, python, model, out, run_s, seed, 0 if throughput_only else eval_every_s)
         return measure_trl(out)
-    extra = THROUGHPUT_OVERRIDES if untrained else ()
+    extra = THROUGHPUT_OVERRIDES if untrained else SAME_OBJECTIVE_AS_TRL
+    if not throughput_only:  # the trainer saves the weights every eval_every_s; evaluated after the run
+        extra += ("eval.every_s=0", f"trainer.snapshot_every_s={eval_every_s}")
     launch_run(ctx, system, model, run_dir, run_s, seed, eval_every_s=eval_every_s, extra=extra)
+    if not throughput_only:
+        cfg = load_run_config(run_dir / "config.json")
+        evaluate_snapshots(run_dir, cfg.task, cfg.eval.num_problems, cfg.eval.max_tokens)
     return measure_run(run_dir)
 
 

@@ -145,6 +145,7 @@ PHASES = (
     "weight_push_s",
     "events_s",
     "checkpoint_s",
+    "snapshot_s",
 )
 
 

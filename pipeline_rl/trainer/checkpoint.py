@@ -57,6 +57,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -221,6 +222,46 @@ def copy_tokenizer_files(model_path: str | Path, out: Path) -> None:
     for src in Path(model_path).iterdir():
         if src.is_file() and not src.name.endswith(WEIGHT_FILES) and not (out / src.name).exists():
             shutil.copy2(src, out / src.name)
+
+
+SNAPSHOTS = "snapshots"
+SNAPSHOT_INDEX = "index.jsonl"
+
+
+def save_snapshot(
+    run_dir: str | Path,
+    version: int,
+    strategy: Strategy,
+    comm: Comm,
+    *,
+    model_path: str | Path,
+    bucket_bytes: int,
+) -> Path:
+    """Weights of `version` as a loadable model directory, run_dir/snapshots/v<version>, and a line
+    {"version", "time"} in snapshots/index.jsonl (collective; rank 0 writes). Not a checkpoint: no
+    optimizer or stream position, nothing resumes from it; it is for evaluating weights after the run
+    (trainer.snapshot_every_s), off the run's clock."""
+    root = Path(run_dir) / SNAPSHOTS
+    weights = strategy.full_state_dict(bucket_bytes)  # collective; rank 0 only gets the dict
+    final = root / f"v{version:08d}"
+    if comm.is_main:
+        tmp = root / f"v{version:08d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        strategy.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        copy_tokenizer_files(model_path, tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with (root / SNAPSHOT_INDEX).open("a") as f:
+            f.write(json.dumps({"version": version, "time": time.time(), "path": final.name}) + "\n")
+    return final
+
+
+def read_snapshots(run_dir: str | Path) -> list[dict]:
+    """The index rows of a run's weight snapshots, oldest first ([] when it saved none)."""
+    index = Path(run_dir) / SNAPSHOTS / SNAPSHOT_INDEX
+    if not index.exists():
+        return []
+    return [json.loads(line) for line in index.read_text().splitlines() if line.strip()]
 
 
 def save(

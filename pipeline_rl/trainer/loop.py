@@ -78,6 +78,7 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
         tr.announce()  # 4
         timings["events_s"] = time.perf_counter() - announced
         timings["checkpoint_s"] = tr.checkpoint() if tr.checkpoint_due() else 0.0  # 5
+        timings["snapshot_s"] = tr.snapshot() if tr.snapshot_due() else 0.0
         timings["step_s"] = time.perf_counter() - started
         tr.log_step(package.batch_id, result, timings)
     tr.finish()
@@ -101,6 +102,9 @@ class Trainer:
     saved_at: float  # time.monotonic() of the last checkpoint (or of the start), for the time cadence
     ledger: LedgerWriter | None = None  # rank 0 only
     restore_next_push: bool = False  # resumed with no checkpoint: the first push may go back in versions
+    snapshot_at: float | None = (
+        None  # time.monotonic() of the last weights snapshot (trainer.snapshot_every_s)
+    )
 
     @classmethod
     def start(cls, cfg: RunConfig) -> Trainer:
@@ -211,6 +215,28 @@ class Trainer:
             # Clocks differ between ranks and save() is collective: every rank takes rank 0's answer.
             due = self.comm.broadcast_object(due)
         return due
+
+    def snapshot_due(self) -> bool:
+        """Whether to save a weights snapshot after the current step (collective when on)."""
+        every = self.cfg.trainer.snapshot_every_s
+        if every <= 0:
+            return False
+        due = self.snapshot_at is None or time.monotonic() - self.snapshot_at >= every
+        return self.comm.broadcast_object(due)  # save_snapshot is collective: rank 0's clock decides
+
+    def snapshot(self) -> float:
+        """Save the current version's weights to run_dir/snapshots (collective). Returns seconds."""
+        started = time.perf_counter()
+        checkpoint.save_snapshot(
+            self.cfg.run_dir,
+            self.state.version,
+            self.strategy,
+            self.comm,
+            model_path=self.cfg.model_path,
+            bucket_bytes=self.cfg.trainer.bucket_mb * 1024 * 1024,
+        )
+        self.snapshot_at = time.monotonic()
+        return time.perf_counter() - started
 
     def checkpoint(self) -> float:
         """Write a checkpoint (collective), then commit this rank's stream position. Returns seconds."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from inference_shim.openai_protocol import VersionSpan
+from pipeline_rl import preprocess
 from pipeline_rl.config import RunConfig
 from pipeline_rl.ledger import ledger_dir, ledger_summary, read_records
 from pipeline_rl.messages import (
@@ -152,7 +153,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_reports_them(redis_serve
     prep = Preprocessor(cfg, 0)
     for _ in range(10):
         prep.poll(block_s=0.0)
-    prep.publish(force=True)  # what run() does on exit; while running, changes go out within 1 s
+    prep.publish(force=True)  # what run() does on exit; while running, drops go out at once
 
     batches = packages_by_batch(cfg)
     check_complete_batches(cfg, batches)
@@ -168,6 +169,25 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_reports_them(redis_serve
     assert Preprocessor(cfg, 0).totals.groups_dropped == 4
     # The ledger names every dropped sample and why.
     assert ledger_summary(cfg.run_dir).dropped == {"filtered": 4 * ATTEMPTS}
+
+
+def test_drops_are_published_at_once_for_actors_blocked_on_them(redis_server, tmp_path, monkeypatch):
+    """A group dropped by dynamic sampling frees a place under the actors' lag limit: with max_lag 0 the
+    actor cannot start its replacement before it hears of the drop, so every drop goes out on the poll
+    that made it, not after the 1 s rate limit of the other progress."""
+    cfg = make_cfg(redis_server.url, tmp_path, ranks=1, drop_all_equal_groups=True)
+    rng = random.Random(3)
+    writer = make_writer(cfg.streams, ROLLOUTS)
+    prep = Preprocessor(cfg, 0)
+    monkeypatch.setattr(preprocess, "PROGRESS_EVERY_S", 3600.0)  # the rate limit could not let them out
+    for i in range(3):
+        writer.write(make_group(i, rng, rewards=[0.0] * ATTEMPTS))
+        prep.poll(block_s=0.0)
+        progress = [m for m in read_all(cfg, TRAINER_EVENTS) if isinstance(m, PreprocessorProgress)]
+        assert progress and progress[-1].groups_dropped == i + 1, f"drop {i + 1} not published by its poll"
+    # Stats rows stay rate-limited: the three polls above made one.
+    stats = [m for m in read_all(cfg, STATS) if isinstance(m, StatsRecord)]
+    assert len(stats) == 1
 
 
 def test_crash_after_writing_before_ack_does_not_duplicate(redis_server, tmp_path):

@@ -430,6 +430,41 @@ def test_checkpoints_are_atomic_pruned_and_restore_weights_and_optimizer(tiny_mo
     )
 
 
+def test_weight_snapshots_hold_each_versions_weights_and_are_evaluated_after_the_run(tiny_model, tmp_path):
+    """trainer.snapshot_every_s: save_snapshot writes a loadable model of that version and an index row;
+    bench.greedy_eval grades every snapshot afterwards and appends its eval rows to stats.jsonl."""
+    from pipeline_rl.bench.greedy_eval import evaluate_snapshots
+    from pipeline_rl.tasks import TaskConfig
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
+    comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+    samples = [
+        s for g in make_groups(tiny_model, 2, seed=4) for s in group_to_training_samples(g, cfg.preprocess)
+    ]
+    [package] = build_packages(cfg, samples, "b")
+    strategy = DDPStrategy(cfg, comm, tiny_model)
+    for version in (1, 2):
+        train_step(strategy, package, cfg.algo, step=version, temperature=1.0, comm=comm)
+        checkpoint.save_snapshot(
+            cfg.run_dir, version, strategy, comm, model_path=tiny_model, bucket_bytes=1 << 20
+        )
+    rows = checkpoint.read_snapshots(cfg.run_dir)
+    assert [r["version"] for r in rows] == [1, 2] and rows[0]["time"] <= rows[1]["time"]
+    saved = _model(Path(cfg.run_dir) / checkpoint.SNAPSHOTS / rows[1]["path"])
+    for (name, a), (_, b) in zip(strategy.module.named_parameters(), saved.named_parameters(), strict=True):
+        assert torch.equal(a, b), name  # the latest version, not the initial weights
+    assert not (Path(cfg.run_dir) / checkpoint.SNAPSHOTS / "v00000002.tmp").exists()
+
+    evals = evaluate_snapshots(Path(cfg.run_dir), TaskConfig(name="arith"), num_problems=5, max_tokens=4)
+    assert [(e["weight_version"], e["time"], e["problems"]) for e in evals] == [
+        (r["version"], r["time"], 5) for r in rows
+    ]
+    assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals)
+    stats = [json.loads(line) for line in (Path(cfg.run_dir) / "stats.jsonl").read_text().splitlines()]
+    assert [r for r in stats if r.get("when") == "snapshot"] == evals
+
+
 def test_truncate_jsonl_keeps_steps_up_to_the_checkpoint(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))

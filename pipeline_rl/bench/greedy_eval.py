@@ -1,0 +1,81 @@
+"""Held-out accuracy of a model in this process: greedy Hugging Face `generate` of a task's test problems,
+graded by the task. The one evaluator of `bench vs-trl` for both sides: TRL's run calls it between its
+steps (pipeline_rl/bench/trl_grpo.py, in TRL's venv: so this module needs only torch, transformers and
+pipeline_rl.tasks), and ours evaluates the weight snapshots a run saved (trainer.snapshot_every_s) after
+the run, so neither side's clock carries its evaluations.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def held_out_problems(task, count: int) -> list:
+    """The first `count` problems of the task's test split (seed 0: the same for every run)."""
+    out = []
+    for problem in task.problems(shard_index=0, num_shards=1, seed=0, split="test"):
+        out.append(problem)
+        if len(out) >= count:
+            break
+    return out
+
+
+def held_out_accuracy(model, tokenizer, task, problems: list, max_tokens: int) -> float:
+    """Share of `problems` whose greedy answer (at most max_tokens new tokens) the task grades correct.
+    The tokenizer must pad on the left."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    texts = [
+        tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
+        for p in problems
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        generated = model.generate(
+            **batch,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    answers = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    model.train(was_training)
+    return sum(task.grade(p, a) == "correct" for p, a in zip(problems, answers, strict=True)) / len(problems)
+
+
+def evaluate_snapshots(run_dir: Path, task_cfg, num_problems: int, max_tokens: int) -> list[dict]:
+    """Evaluate every weight snapshot of a finished run (run_dir/snapshots, oldest first) and append one
+    {"type": "eval", "when": "snapshot", "time", "weight_version", "accuracy", ...} row per snapshot to
+    run_dir/stats.jsonl, timed when the trainer saved it (right after pushing that version). Returns the
+    rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline_rl.tasks import make_task
+    from pipeline_rl.trainer.checkpoint import SNAPSHOTS, read_snapshots
+
+    task = make_task(task_cfg)
+    problems = held_out_problems(task, num_problems)
+    rows = []
+    for snap in read_snapshots(run_dir):
+        path = Path(run_dir) / SNAPSHOTS / snap["path"]
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(path)
+        accuracy = held_out_accuracy(model, tokenizer, task, problems, max_tokens)
+        rows.append(
+            {
+                "type": "eval",
+                "when": "snapshot",
+                "time": snap["time"],
+                "weight_version": snap["version"],
+                "accuracy": accuracy,
+                "problems": len(problems),
+            }
+        )
+    with (Path(run_dir) / "stats.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return rows
