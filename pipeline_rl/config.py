@@ -124,10 +124,12 @@ class TrainerConfig(_Section):
         ge=2,
         description="Newest verified checkpoints kept (>= 2: one to fall back to); older are deleted.",
     )
-    micro_batch_layout: Literal["padded", "packed"] = Field(
+    micro_batch_layout: Literal["padded", "packed", "shared_prefix"] = Field(
         "padded",
-        description="How the model sees a packed micro-batch: right-padded rows with an attention mask, or "
-        "one packed row (attention over all its token pairs with sdpa; 4-7x slower on CPU, docs/trainer.md).",
+        description="How the model sees a packed micro-batch: right-padded rows with an attention mask; "
+        "one packed row (attention over all its token pairs with sdpa; 4-7x slower on CPU); or one row per "
+        "group of samples with the same prompt, the prompt computed once (for long prompts and short "
+        "answers; sdpa or eager attention). docs/trainer.md, 'Micro-batch layout'.",
     )
     mixed_precision: Literal["no", "bf16"] = Field(
         "no",

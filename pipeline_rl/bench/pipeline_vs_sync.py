@@ -59,6 +59,19 @@ VARIANTS = {
     # The trainer's forward passes under bf16 autocast (TRL's GRPOTrainer default); the engine stays float32.
     "pipeline-bf16": ("mode=pipeline", "trainer.mixed_precision=bf16"),
     "sync-colocated-bf16": ("mode=sync", "placement.colocate=true", "trainer.mixed_precision=bf16"),
+    # Each group's prompt computed once in the trainer (trainer.micro_batch_layout=shared_prefix).
+    "pipeline-sp": ("mode=pipeline", "trainer.micro_batch_layout=shared_prefix"),
+    "pipeline-sp-bf16": (
+        "mode=pipeline",
+        "trainer.micro_batch_layout=shared_prefix",
+        "trainer.mixed_precision=bf16",
+    ),
+    "sync-colocated-sp-bf16": (
+        "mode=sync",
+        "placement.colocate=true",
+        "trainer.micro_batch_layout=shared_prefix",
+        "trainer.mixed_precision=bf16",
+    ),
 }
 
 

@@ -122,7 +122,7 @@ def drop_stale(
     return StaleDrop(filtered, all_ids)
 
 
-Layout = Literal["padded", "packed"]
+Layout = Literal["padded", "packed", "shared_prefix"]
 
 
 MixedPrecision = Literal["no", "bf16"]
@@ -143,6 +143,7 @@ def forward_logprobs(
     attention that mask is a dense [T, T] one, so a packed micro-batch costs attention over all T^2 pairs
     where padded rows cost B * L_max^2: on CPU, forward + backward of the demo's 128 short samples took
     4-7x longer packed into 4096-token rows than padded (docs/trainer.md, "Micro-batch layout").
+    "shared_prefix" runs the tokens that samples share once: see _shared_prefix_logits.
 
     mixed_precision="bf16" runs the model under torch.autocast(bfloat16): its matmuls in bf16, the
     float32 weights cast on the fly, so gradients and the optimizer stay float32. The logits are taken
@@ -160,6 +161,8 @@ def _model_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout
     ids = batch["input_ids"]
     if layout == "packed":
         logits = model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits[0]
+    elif layout == "shared_prefix":
+        logits = _shared_prefix_logits(model, batch)
     else:
         lengths = batch["lengths"]
         width = int(lengths.max())
@@ -177,11 +180,84 @@ def _model_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout
     return logits
 
 
+def _shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's logits [T, V] in packed order, computing each shared prefix once.
+
+    The samples of a GRPO group share their prompt: everything before the first trained token
+    (micro_batch_tensors finds who shares what: prefix_groups, prefix_lengths). Each group becomes ONE
+    row, its prefix followed by every member's own tokens, with a mask that lets a member's tokens see
+    the prefix and their own earlier tokens only, and positions that continue the prefix's. Every token
+    then sees exactly the context it has on its own, so its logits are those of a separate forward (up
+    to float rounding), and the prefix's share of the gradient is the sum over the members, as with
+    separate rows. The cost falls with the prompt's share of a sample: the demo's 8 samples of ~45
+    prompt + ~12 answer tokens become one row of ~140 tokens instead of 8 of ~57. Attention is a dense
+    [row, row] product under the mask, so groups of long answers pay for the member pairs that the mask
+    hides (docs/trainer.md, "Micro-batch layout").
+    """
+    ids = batch["input_ids"][0]
+    device = ids.device
+    lengths = batch["lengths"].tolist()
+    prefix = batch["prefix_lengths"].tolist()
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    members: dict[int, list[int]] = {}
+    for b, g in enumerate(batch["prefix_groups"].tolist()):
+        members.setdefault(g, []).append(b)
+    row_lengths = [prefix[m[0]] + sum(lengths[b] - prefix[b] for b in m) for m in members.values()]
+    rows, width = len(members), max(row_lengths)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    tokens = torch.zeros(rows, width, dtype=ids.dtype, device=device)
+    positions = torch.zeros(rows, width, dtype=torch.long, device=device)
+    visible = torch.zeros(rows, 1, width, width, dtype=torch.bool, device=device)
+    where = torch.empty(ids.shape[0], dtype=torch.long, device=device)  # packed token -> flat row slot
+    for r, group in enumerate(members.values()):
+        p, first = prefix[group[0]], starts[group[0]]
+        tokens[r, :p] = ids[first : first + p]
+        positions[r, :p] = torch.arange(p, device=device)
+        visible[r, 0, :p, :p] = causal[:p, :p]
+        at = p
+        for b in group:
+            n = lengths[b] - p
+            tokens[r, at : at + n] = ids[starts[b] + p : starts[b + 1]]
+            positions[r, at : at + n] = torch.arange(p, p + n, device=device)
+            visible[r, 0, at : at + n, :p] = True
+            visible[r, 0, at : at + n, at : at + n] = causal[:n, :n]
+            where[starts[b] : starts[b] + p] = r * width + torch.arange(p, device=device)
+            where[starts[b] + p : starts[b + 1]] = r * width + torch.arange(at, at + n, device=device)
+            at += n
+        tail = torch.arange(at, width, device=device)
+        visible[r, 0, tail, tail] = True  # padding sees itself: a row that sees nothing gives NaN
+    mask: torch.Tensor = visible
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation == "eager":  # eager attention adds its mask to the scores
+        mask = torch.zeros(visible.shape, device=device).masked_fill(~visible, torch.finfo(torch.float32).min)
+    elif implementation != "sdpa":
+        raise ValueError(
+            f"trainer.micro_batch_layout=shared_prefix needs attention that takes a custom mask (sdpa or "
+            f"eager); this model uses {implementation!r}. Use micro_batch_layout=padded."
+        )
+    out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False)
+    return out.logits.reshape(rows * width, -1)[where]
+
+
 def micro_batch_tensors(micro_batch, device: torch.device) -> dict[str, torch.Tensor]:
     packed = collate_micro_batch(micro_batch)
     row = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
     out = {k: torch.tensor([v], dtype=torch.long, device=device) for k, v in row.items()}
     out["lengths"] = torch.tensor([len(s.input_ids) for s in micro_batch], dtype=torch.long, device=device)
+    # What the shared_prefix layout may share: a sample's tokens before its first trained one (its
+    # prompt), and which samples have the same such tokens (index of the first of them to have it).
+    prefix_lengths = [
+        next((i for i, m in enumerate(s.labels_mask) if m), len(s.input_ids)) for s in micro_batch
+    ]
+    first_with: dict[tuple[int, ...], int] = {}
+    groups = [
+        first_with.setdefault(tuple(s.input_ids[:p]), b)
+        for b, (s, p) in enumerate(zip(micro_batch, prefix_lengths, strict=True))
+    ]
+    out["prefix_lengths"] = torch.tensor(prefix_lengths, dtype=torch.long, device=device)
+    out["prefix_groups"] = torch.tensor(groups, dtype=torch.long, device=device)
     # Per-token fields aligned with logprobs: token t+1 is scored by position t, so drop the first.
     out["mask"] = torch.tensor(packed.labels_mask[1:], dtype=torch.bool, device=device)
     out["advantages"] = torch.tensor(packed.advantages[1:], dtype=torch.float32, device=device)

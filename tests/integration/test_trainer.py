@@ -210,7 +210,7 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prefix"])
 def test_packed_micro_batch_logprobs_equal_separate_forwards(tiny_model, tmp_path, layout):
     cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
     samples = [
@@ -218,6 +218,7 @@ def test_packed_micro_batch_logprobs_equal_separate_forwards(tiny_model, tmp_pat
     ]
     micro_batch = samples[:5]
     assert len({len(s.input_ids) for s in micro_batch}) > 1  # padded rows of different lengths
+    assert micro_batch_tensors(micro_batch, CPU)["prefix_groups"].tolist() == [0, 0, 0, 0, 4]  # 2 prompts
     model = _model(tiny_model)
     with torch.no_grad():
         _, packed = forward_logprobs(model, micro_batch_tensors(micro_batch, CPU), 1.0, layout)
@@ -266,6 +267,33 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_big_batch(tiny_model
     assert m["logprob_mismatch"] < 1e-4 and m["ess"] == pytest.approx(1.0, abs=1e-4)  # on-policy data
     assert (m["lag_min"], m["lag_max"]) == (0, 0) and 0 < m["entropy"] < 5
     assert sorted(results[0].sample_ids) == sorted(s.sample_id for s in samples)
+
+
+def test_shared_prefix_layout_gives_the_padded_layouts_loss_and_gradient(tiny_model, tmp_path):
+    """The prompt computed once per group and its gradient summed over the members: the same step as one
+    row per sample."""
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
+    samples = [
+        s for g in make_groups(tiny_model, 3, seed=5) for s in group_to_training_samples(g, cfg.preprocess)
+    ]
+    [package] = build_packages(cfg, samples, "b")
+    comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+    results, weights = [], []
+    for layout in ("padded", "shared_prefix"):
+        strategy = DDPStrategy(cfg, comm, tiny_model)
+        strategy.optimizer = torch.optim.SGD(strategy.module.parameters(), lr=1.0)
+        strategy.scheduler = torch.optim.lr_scheduler.LambdaLR(strategy.optimizer, lambda _: 1.0)
+        results.append(
+            train_step(strategy, package, cfg.algo, step=1, temperature=1.0, comm=comm, layout=layout)
+        )
+        weights.append({n: p.detach().clone() for n, p in strategy.module.named_parameters()})
+    assert results[0].metrics["loss"] == pytest.approx(results[1].metrics["loss"], abs=1e-6)
+    assert results[0].metrics["grad_norm"] == pytest.approx(results[1].metrics["grad_norm"], rel=1e-4)
+    for name in weights[0]:
+        assert torch.allclose(weights[0][name], weights[1][name], atol=1e-6), name
+    assert results[1].metrics["entropy"] == pytest.approx(results[0].metrics["entropy"], rel=1e-4)
 
 
 def test_bf16_mixed_precision_keeps_float32_weights_and_grads_and_close_logprobs(tiny_model, tmp_path):
