@@ -229,7 +229,10 @@ def _shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         tail = torch.arange(at, width, device=device)
         visible[r, 0, tail, tail] = True  # padding sees itself: a row that sees nothing gives NaN
     mask: torch.Tensor = visible
-    implementation = getattr(model.config, "_attn_implementation", None)
+    hf_model = model
+    while not hasattr(hf_model, "config") and hasattr(hf_model, "module"):  # DDP / DeepSpeed wrappers
+        hf_model = hf_model.module
+    implementation = getattr(getattr(hf_model, "config", None), "_attn_implementation", None)
     if implementation == "eager":  # eager attention adds its mask to the scores
         mask = torch.zeros(visible.shape, device=device).masked_fill(~visible, torch.finfo(torch.float32).min)
     elif implementation != "sdpa":

@@ -209,6 +209,17 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Wrapper(torch.nn.Module):
+    """What DDP and DeepSpeed do to the model: the HF model becomes `.module`, without its `.config`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, **kwargs):
+        return self.module(**kwargs)
+
+
 # ------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared_prefix"])
 def test_packed_micro_batch_logprobs_equal_separate_forwards(tiny_model, tmp_path, layout):
@@ -237,6 +248,10 @@ def test_packed_micro_batch_logprobs_equal_separate_forwards(tiny_model, tmp_pat
     # Sampler logprobs came from the same model: trainer and sampler agree on every trained token.
     old = micro_batch_tensors(micro_batch, CPU)["old_logprobs"]
     assert (packed - old)[mask].abs().max() < 1e-4
+    # The trainer's model is wrapped (DDP, DeepSpeed: the HF model is `.module`): same result through one.
+    with torch.no_grad():
+        wrapped = forward_logprobs(_Wrapper(model), micro_batch_tensors(micro_batch, CPU), 1.0, layout)[1]
+    assert torch.equal(wrapped, packed)
 
 
 def test_accumulated_micro_batches_give_the_gradient_of_one_big_batch(tiny_model, tmp_path):
