@@ -209,6 +209,18 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _one_rank_package(tiny_model: Path, tmp_path: Path, groups: int, seed: int):
+    """A run config, a one-rank Comm and the package a preprocessor writes for `groups` groups."""
+    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
+    samples = [
+        s
+        for g in make_groups(tiny_model, groups, seed=seed)
+        for s in group_to_training_samples(g, cfg.preprocess)
+    ]
+    [package] = build_packages(cfg, samples, "b")
+    return cfg, Comm(rank=0, world=1, local_rank=0, device=CPU), package
+
+
 class _Wrapper(torch.nn.Module):
     """What DDP and DeepSpeed do to the model: the HF model becomes `.module`, without its `.config`."""
 
@@ -289,12 +301,7 @@ def test_shared_prefix_layout_gives_the_padded_layouts_loss_and_gradient(tiny_mo
     row per sample."""
     from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
-    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
-    samples = [
-        s for g in make_groups(tiny_model, 3, seed=5) for s in group_to_training_samples(g, cfg.preprocess)
-    ]
-    [package] = build_packages(cfg, samples, "b")
-    comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+    cfg, comm, package = _one_rank_package(tiny_model, tmp_path, groups=3, seed=5)
     results, weights = [], []
     for layout in ("padded", "shared_prefix"):
         strategy = DDPStrategy(cfg, comm, tiny_model)
@@ -430,12 +437,7 @@ def test_deepspeed_config_takes_zero_settings_from_json_and_the_rest_from_traine
 def test_checkpoints_are_atomic_pruned_and_restore_weights_and_optimizer(tiny_model, tmp_path):
     from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
-    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
-    comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
-    samples = [
-        s for g in make_groups(tiny_model, 2, seed=3) for s in group_to_training_samples(g, cfg.preprocess)
-    ]
-    [package] = build_packages(cfg, samples, "b")
+    cfg, comm, package = _one_rank_package(tiny_model, tmp_path, groups=2, seed=3)
     strategy = DDPStrategy(cfg, comm, tiny_model)
     for step in (1, 2, 3):
         train_step(strategy, package, cfg.algo, step=step, temperature=1.0, comm=comm)
@@ -480,12 +482,7 @@ def test_weight_snapshots_hold_each_versions_weights_and_are_evaluated_after_the
     from pipeline_rl.tasks import TaskConfig
     from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
-    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
-    comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
-    samples = [
-        s for g in make_groups(tiny_model, 2, seed=4) for s in group_to_training_samples(g, cfg.preprocess)
-    ]
-    [package] = build_packages(cfg, samples, "b")
+    cfg, comm, package = _one_rank_package(tiny_model, tmp_path, groups=2, seed=4)
     strategy = DDPStrategy(cfg, comm, tiny_model)
     for version in (1, 2):
         train_step(strategy, package, cfg.algo, step=version, temperature=1.0, comm=comm)
