@@ -11,16 +11,6 @@ import json
 from pathlib import Path
 
 
-def held_out_problems(task, count: int) -> list:
-    """The first `count` problems of the task's test split (seed 0: the same for every run)."""
-    out = []
-    for problem in task.problems(shard_index=0, num_shards=1, seed=0, split="test"):
-        out.append(problem)
-        if len(out) >= count:
-            break
-    return out
-
-
 def held_out_accuracy(model, tokenizer, task, problems: list, max_tokens: int) -> float:
     """Share of `problems` whose greedy answer (at most max_tokens new tokens) the task grades correct.
     The tokenizer must pad on the left."""
@@ -53,16 +43,19 @@ def evaluate_snapshots(run_dir: Path, task_cfg, num_problems: int, max_tokens: i
     rows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline_rl.tasks import make_task
+    from pipeline_rl.tasks import held_out_problems, make_task
     from pipeline_rl.trainer.checkpoint import SNAPSHOTS, read_snapshots
 
     task = make_task(task_cfg)
     problems = held_out_problems(task, num_problems)
+    snapshots = read_snapshots(run_dir)
     rows = []
-    for snap in read_snapshots(run_dir):
+    tokenizer = None
+    for snap in snapshots:
         path = Path(run_dir) / SNAPSHOTS / snap["path"]
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        tokenizer.padding_side = "left"
+        if tokenizer is None:  # every snapshot carries the run's tokenizer files
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer.padding_side = "left"
         model = AutoModelForCausalLM.from_pretrained(path)
         accuracy = held_out_accuracy(model, tokenizer, task, problems, max_tokens)
         rows.append(

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from pipeline_rl.bench import greedy_eval
-    from pipeline_rl.tasks import RewardConfig, TaskConfig, compute_reward, make_task
+    from pipeline_rl.tasks import RewardConfig, TaskConfig, compute_reward, held_out_problems, make_task
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     steps_wanted = 100_000
     prompts_needed = int(args.run_s * 20 + 1000)  # far more than TRL trains on in run_s (~16 prompts/step)
     train = _problems(task, args.seed, "train", prompts_needed)
-    test = greedy_eval.held_out_problems(task, args.eval_problems)
+    test = held_out_problems(task, args.eval_problems)
     dataset = Dataset.from_list(
         [{"prompt": p.messages, "answer": p.answer, "index": p.prompt_index} for p in train]
     )

@@ -88,10 +88,9 @@ def _ours(systems) -> list[str]:
 BENCH_MODELS = {"25m": "100mb", "100m": "400mb"}
 RUN_S = {"full": 200, "throughput": 150, "quick": 20}
 # TRL's GRPOTrainer trains on every group (an all-equal group has zero advantage); the demo recipe's DAPO
-# dynamic sampling would drop those and refill, a different algorithm: off, as TRL has it.
+# dynamic sampling would drop those and refill, a different algorithm: off, as TRL has it (and at the
+# untrained sizes every group is all-equal: with it on, nothing would be trained).
 SAME_OBJECTIVE_AS_TRL = ("preprocess.drop_all_equal_groups=false",)
-# Throughput runs at sizes without a warm-up: every group is all-equal, so keep them.
-THROUGHPUT_OVERRIDES = SAME_OBJECTIVE_AS_TRL
 
 
 def servers_needed(ctx: BenchContext) -> list:
@@ -192,14 +191,13 @@ def measure_trl(out: Path) -> dict:
 def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, seed: int, run_s: int) -> dict:
     throughput_only = size != "demo" and not ctx.quick
     eval_every_s = 100_000 if throughput_only else EVAL_EVERY_S
-    untrained = size != "demo" or ctx.quick
     run_dir = ctx.out_dir / "vs_trl" / f"{size}-{system}{seed}-{time.strftime('%H%M%S')}"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     if system == "trl":
         out = run_dir.with_suffix(".jsonl")
         run_trl(ctx, python, model, out, run_s, seed, 0 if throughput_only else eval_every_s)
         return measure_trl(out)
-    extra = THROUGHPUT_OVERRIDES if untrained else SAME_OBJECTIVE_AS_TRL
+    extra = SAME_OBJECTIVE_AS_TRL
     if not throughput_only:  # the trainer saves the weights every eval_every_s; evaluated after the run
         extra += ("eval.every_s=0", f"trainer.snapshot_every_s={eval_every_s}")
     launch_run(ctx, system, model, run_dir, run_s, seed, eval_every_s=eval_every_s, extra=extra)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from inference_shim.client import AsyncShimClient
 from pipeline_rl.actor.episode import EpisodeLimits, run_episode
-from pipeline_rl.tasks import TaskConfig, make_task
+from pipeline_rl.tasks import TaskConfig, held_out_problems, make_task
 
 
 async def _evaluate(
@@ -42,11 +42,7 @@ async def _evaluate(
             max_tokens_per_turn=max_tokens,
             token_budget=task_cfg.episode_token_budget,
         )
-    problems = []
-    for problem in task.problems(shard_index=0, num_shards=1, seed=0, split="test"):
-        problems.append(problem)
-        if len(problems) >= num_problems:
-            break
+    problems = held_out_problems(task, num_problems)
     client = AsyncShimClient(url, token=token, timeout_s=120)
     limit = asyncio.Semaphore(64)
 

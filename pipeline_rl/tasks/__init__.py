@@ -14,7 +14,7 @@ See docs/tasks.md.
 """
 
 from pipeline_rl.tasks.arith import ARITH_ALPHABET, ArithTask, arith_solution_text
-from pipeline_rl.tasks.base import Grade, Problem, Split, Task
+from pipeline_rl.tasks.base import Grade, Problem, Split, Task, held_out_problems
 from pipeline_rl.tasks.config import TaskConfig, make_task
 from pipeline_rl.tasks.grader import Grader
 from pipeline_rl.tasks.reward import RewardConfig, compute_reward
@@ -31,5 +31,6 @@ __all__ = [
     "TaskConfig",
     "arith_solution_text",
     "compute_reward",
+    "held_out_problems",
     "make_task",
 ]

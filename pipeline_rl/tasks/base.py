@@ -56,6 +56,17 @@ class Task(Protocol):
         ...
 
 
+def held_out_problems(task: Task, count: int) -> list[Problem]:
+    """The held-out set every evaluator grades: the first `count` problems of the test split at seed 0
+    (the same for every run and every evaluator: the launcher's live one, the benchmarks' greedy one)."""
+    out: list[Problem] = []
+    for problem in task.problems(shard_index=0, num_shards=1, seed=0, split="test"):
+        out.append(problem)
+        if len(out) >= count:
+            break
+    return out
+
+
 def check_shard(shard_index: int, num_shards: int) -> None:
     """Raise a clear error for an impossible shard, before any iteration starts."""
     if num_shards < 1 or not 0 <= shard_index < num_shards:

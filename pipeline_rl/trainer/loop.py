@@ -41,7 +41,7 @@ from pipeline_rl.trainer.dist import Comm, init_comm
 from pipeline_rl.trainer.feed import PartitionFeed
 from pipeline_rl.trainer.metrics import MetricsLog
 from pipeline_rl.trainer.model import load_hf_model
-from pipeline_rl.trainer.step import StepResult, drop_stale, train_step
+from pipeline_rl.trainer.step import StepResult, custom_mask_form, drop_stale, train_step
 from pipeline_rl.trainer.strategies import Strategy, make_strategy
 from pipeline_rl.trainer.weights import WeightPublisher
 
@@ -113,6 +113,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         ckpt, state = _resume_point(cfg, comm)
         strategy = make_strategy(cfg, comm, ckpt / "model" if ckpt else cfg.model_path)
+        if t.micro_batch_layout == "shared_prefix":
+            custom_mask_form(strategy.module)  # the model's attention must take the layout's mask
         feed_state = checkpoint.read_feed_state(ckpt, comm.rank) if ckpt else {}
         if ckpt:
             strategy.load_optimizer(ckpt / "optimizer")

@@ -180,6 +180,23 @@ def _model_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout
     return logits
 
 
+def custom_mask_form(model: torch.nn.Module) -> Literal["bool", "additive"]:
+    """How the model takes a custom 4D attention mask (the shared_prefix layout's): sdpa takes a boolean
+    one, eager adds it to the scores. Other kernels (flash-attention) take none: ValueError, which the
+    trainer raises at start (Trainer.start) rather than at its first step."""
+    while not hasattr(model, "config") and hasattr(model, "module"):  # DDP / DeepSpeed wrappers
+        model = model.module
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == "sdpa":
+        return "bool"
+    if implementation == "eager":
+        return "additive"
+    raise ValueError(
+        f"trainer.micro_batch_layout=shared_prefix needs attention that takes a custom mask (sdpa or "
+        f"eager); this model uses {implementation!r}. Use trainer.micro_batch_layout=padded."
+    )
+
+
 def _shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model's logits [T, V] in packed order, computing each shared prefix once.
 
@@ -229,17 +246,8 @@ def _shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         tail = torch.arange(at, width, device=device)
         visible[r, 0, tail, tail] = True  # padding sees itself: a row that sees nothing gives NaN
     mask: torch.Tensor = visible
-    hf_model = model
-    while not hasattr(hf_model, "config") and hasattr(hf_model, "module"):  # DDP / DeepSpeed wrappers
-        hf_model = hf_model.module
-    implementation = getattr(getattr(hf_model, "config", None), "_attn_implementation", None)
-    if implementation == "eager":  # eager attention adds its mask to the scores
+    if custom_mask_form(model) == "additive":
         mask = torch.zeros(visible.shape, device=device).masked_fill(~visible, torch.finfo(torch.float32).min)
-    elif implementation != "sdpa":
-        raise ValueError(
-            f"trainer.micro_batch_layout=shared_prefix needs attention that takes a custom mask (sdpa or "
-            f"eager); this model uses {implementation!r}. Use micro_batch_layout=padded."
-        )
     out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False)
     return out.logits.reshape(rows * width, -1)[where]
 

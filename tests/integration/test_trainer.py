@@ -296,6 +296,30 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_big_batch(tiny_model
     assert sorted(results[0].sample_ids) == sorted(s.sample_id for s in samples)
 
 
+def test_shared_prefix_layout_under_eager_attention_and_refused_without_custom_masks(tiny_model, tmp_path):
+    """sdpa takes the layout's mask as booleans, eager as an additive one (same logprobs as padded); a
+    kernel that takes no custom mask is refused by custom_mask_form, which the trainer calls at start."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline_rl.trainer.step import custom_mask_form
+
+    cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model)
+    samples = [
+        s for g in make_groups(tiny_model, 2, seed=6) for s in group_to_training_samples(g, cfg.preprocess)
+    ]
+    batch = micro_batch_tensors(samples, CPU)
+    assert custom_mask_form(_Wrapper(_model(tiny_model))) == "bool"
+    eager = AutoModelForCausalLM.from_pretrained(str(tiny_model), attn_implementation="eager").eval()
+    assert custom_mask_form(eager) == "additive"
+    with torch.no_grad():
+        shared = forward_logprobs(eager, batch, 1.0, "shared_prefix")[1]
+        padded = forward_logprobs(eager, batch, 1.0, "padded")[1]
+    assert torch.allclose(shared[batch["mask"]], padded[batch["mask"]], atol=1e-5)
+    eager.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="micro_batch_layout=padded"):
+        custom_mask_form(eager)
+
+
 def test_shared_prefix_layout_gives_the_padded_layouts_loss_and_gradient(tiny_model, tmp_path):
     """The prompt computed once per group and its gradient summed over the members: the same step as one
     row per sample."""
