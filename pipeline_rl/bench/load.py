@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from inference_shim.client import AsyncShimClient, ShimError
+from pipeline_rl.bench.common import median, percentile
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:
@@ -160,6 +161,30 @@ class ClosedLoop:
             bins.append((t - t0, self.tokens_between(t, min(t + bin_s, t1)) / bin_s))
             t += bin_s
         return bins
+
+
+async def closed_loop_window(
+    url: str, model: str, concurrency: int, seconds: float, *, max_tokens: int, ramp_s: float
+) -> dict:
+    """Closed-loop non-streaming load for `seconds` after a ramp; requests that finish inside count."""
+    load = ClosedLoop(url, model, concurrency, max_tokens, stream=False, ramp_s=ramp_s)
+    task = asyncio.create_task(load.run())
+    await asyncio.sleep(ramp_s * 1.5)  # every worker is in its loop and the batch has mixed ages
+    t0 = time.monotonic()
+    await asyncio.sleep(seconds)
+    t1 = time.monotonic()
+    load.stop()
+    await task  # outstanding requests finish before the next window starts
+    done = load.completed_between(t0, t1)
+    latencies = [c.end - c.start for c in done]
+    return {
+        "requests": len(done),
+        "tokens_per_s": sum(c.tokens for c in done) / (t1 - t0),
+        "latency_p50": median(latencies),
+        "latency_p99": percentile(latencies, 99),
+        "errors": load.errors[:5],
+        "error_count": len(load.errors),
+    }
 
 
 async def served_model(url: str) -> str:

@@ -148,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. VLLM_CPU_OMP_THREADS_BIND=0/1)",
     )
     g.add_argument(
-        "--kv-after-update", choices=["recompute", "keep"], default=None, help="shim servers' mode"
+        "--kv-after-update",
+        choices=["recompute", "keep"],
+        default=None,
+        help="shim servers' mode; lag: run only this policy",
     )
     g.add_argument(
         "--trainer-threads",
@@ -205,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--update-every-s", default=None, help="inflight: seconds between updates, e.g. 1,3 (the default)"
     )
-    g.add_argument("--concurrency", default=None, help="shim: concurrency levels, e.g. 1,8,64")
+    g.add_argument(
+        "--concurrency",
+        default=None,
+        help="shim: concurrency levels, e.g. 1,8,64; engine-profile: sequences in flight to sweep",
+    )
     return p
 
 

@@ -15,7 +15,6 @@ up; only the one being measured has load.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 from pipeline_rl.bench.common import (
@@ -24,12 +23,11 @@ from pipeline_rl.bench.common import (
     goal_line,
     markdown_table,
     median,
-    percentile,
     publish,
     rotate,
     section,
 )
-from pipeline_rl.bench.load import ClosedLoop, served_model
+from pipeline_rl.bench.load import closed_loop_window, served_model
 from pipeline_rl.bench.models import bench_model
 from pipeline_rl.bench.servers import ServerSpec
 
@@ -51,38 +49,30 @@ def servers_needed(ctx: BenchContext) -> list[tuple[ServerSpec, int]]:
     return [(ctx.server(kind, model), 1) for kind in KINDS]
 
 
-async def _window(url: str, model: str, concurrency: int, seconds: float, ramp_s: float) -> dict:
-    """Closed-loop load for `seconds` after a ramp; requests that finish inside the window count."""
-    load = ClosedLoop(url, model, concurrency, MAX_TOKENS, stream=False, ramp_s=ramp_s)
-    task = asyncio.create_task(load.run())
-    await asyncio.sleep(ramp_s * 1.5)  # every worker is in its loop and the batch has mixed ages
-    t0 = time.monotonic()
-    await asyncio.sleep(seconds)
-    t1 = time.monotonic()
-    load.stop()
-    await task  # outstanding requests finish before the other server is measured
-    done = load.completed_between(t0, t1)
-    latencies = [c.end - c.start for c in done]
-    return {
-        "requests": len(done),
-        "tokens_per_s": sum(c.tokens for c in done) / (t1 - t0),
-        "latency_p50": median(latencies),
-        "latency_p99": percentile(latencies, 99),
-        "errors": load.errors[:5],
-        "error_count": len(load.errors),
-    }
-
-
 async def _measure(ctx: BenchContext, urls: dict[str, str], s: dict) -> list[dict]:
     names = {kind: await served_model(url) for kind, url in urls.items()}
     for kind in KINDS:  # warm-up, not counted: first requests compile/allocate
-        await _window(urls[kind], names[kind], max(s["concurrency"]), min(3.0, s["window_s"]), 0.0)
+        await closed_loop_window(
+            urls[kind],
+            names[kind],
+            max(s["concurrency"]),
+            min(3.0, s["window_s"]),
+            max_tokens=MAX_TOKENS,
+            ramp_s=0.0,
+        )
     windows = []
     for rep in range(ctx.repeats):
         ctx.log(f"shim: repeat {rep + 1}/{ctx.repeats}")
         for concurrency in s["concurrency"]:
             for kind in rotate(KINDS, rep):
-                result = await _window(urls[kind], names[kind], concurrency, s["window_s"], s["ramp_s"])
+                result = await closed_loop_window(
+                    urls[kind],
+                    names[kind],
+                    concurrency,
+                    s["window_s"],
+                    max_tokens=MAX_TOKENS,
+                    ramp_s=s["ramp_s"],
+                )
                 windows.append({"kind": kind, "concurrency": concurrency, "rep": rep, **result})
     return windows
 

@@ -55,10 +55,11 @@ from pipeline_rl.bench.common import (
     run_to_end,
     section,
 )
-from pipeline_rl.bench.greedy_eval import evaluate_snapshots
 from pipeline_rl.bench.pipeline_vs_sync import (
+    EVAL_EVERY_S,
     THRESHOLDS,
     VARIANTS,
+    evaluate_run,
     launch_run,
     measure_run,
     median_of,
@@ -66,15 +67,11 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     plot_accuracy,
     time_to_text,
 )
-from pipeline_rl.config import load_run_config
 
 TRL_VERSION = "1.16.0"
 TORCH_VERSION = "2.13.0"  # resolves to the machine's local CPU wheel, as in scripts/setup.sh
 TRL_VENV = ARTIFACTS / "trl-venv"
 TARGET = 0.9
-# Seconds between evaluations. They are off both clocks here, so they can be frequent: at the demo size
-# every system reaches 90% in 20-30 s, and 10 s steps would decide the ranking by where they fall.
-EVAL_EVERY_S = 3
 # Ours as the launcher runs them (pipeline_vs_sync.VARIANTS), and TRL. Plain `mode=sync` on split cores
 # is in pipeline-vs-sync; here the faster sync (each phase on every core) stands for sync.
 SYSTEMS = ("pipeline", "pipeline-sp", "sync-colocated-sp-bf16", "trl")
@@ -190,20 +187,26 @@ def measure_trl(out: Path) -> dict:
 
 def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, seed: int, run_s: int) -> dict:
     throughput_only = size != "demo" and not ctx.quick
-    eval_every_s = 100_000 if throughput_only else EVAL_EVERY_S
     run_dir = ctx.out_dir / "vs_trl" / f"{size}-{system}{seed}-{time.strftime('%H%M%S')}"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     if system == "trl":
         out = run_dir.with_suffix(".jsonl")
-        run_trl(ctx, python, model, out, run_s, seed, 0 if throughput_only else eval_every_s)
+        run_trl(ctx, python, model, out, run_s, seed, 0 if throughput_only else EVAL_EVERY_S)
         return measure_trl(out)
-    extra = SAME_OBJECTIVE_AS_TRL
-    if not throughput_only:  # the trainer saves the weights every eval_every_s; evaluated after the run
-        extra += ("eval.every_s=0", f"trainer.snapshot_every_s={eval_every_s}")
-    launch_run(ctx, system, model, run_dir, run_s, seed, eval_every_s=eval_every_s, extra=extra)
+    # The trainer saves its weights every EVAL_EVERY_S; they are evaluated after the run.
+    snapshot_every_s = 0 if throughput_only else EVAL_EVERY_S
+    launch_run(
+        ctx,
+        system,
+        model,
+        run_dir,
+        run_s,
+        seed,
+        extra=SAME_OBJECTIVE_AS_TRL,
+        snapshot_every_s=snapshot_every_s,
+    )
     if not throughput_only:
-        cfg = load_run_config(run_dir / "config.json")
-        evaluate_snapshots(run_dir, cfg.task, cfg.eval.num_problems, cfg.eval.max_tokens)
+        evaluate_run(run_dir)
     return measure_run(run_dir)
 
 

@@ -152,7 +152,7 @@ def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path:
             "step": 2,
             "version": 2,
             "step_s": 2.0,
-            "wait_data_s": 0.5,
+            "wait_data_s": 0.25,
             "samples_consumed": 256,
             "lag_mean": 1.5,
         },
@@ -169,12 +169,44 @@ def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path:
     # First crossing of each level, in seconds from the run's first stats row (t0).
     assert measured["time_to_s"] == {"50%": 10.0, "80%": 20.0, "90%": None}
     assert measured["time_to_target_s"] is None  # 90% never reached
-    assert measured["trainer_idle"] == 0.25 and measured["engine_idle"] == 0.5
+    assert measured["trainer_idle"] == 0.75 / 4 and measured["engine_idle"] == 0.5
+    # Per-step phases from the second step on (the first carries the start-up).
+    assert measured["wait_step_s"] == 0.25 and measured["train_step_s"] == 1.75
     assert measured["samples_per_s"] == 256 / 40
     # The same evaluations on the samples axis: samples trained into the version each one graded.
     assert measured["curve_samples"] == [(0, 0.0), (128, 0.6), (256, 0.85), (256, 0.7)]
     assert measured["samples_to_target"] is None
     assert measured["lag_mean"] == 1.0 and measured["too_stale"] == 3
+
+
+def test_pipeline_vs_sync_explains_its_ratio_from_phase_times_and_samples_needed() -> None:
+    from pipeline_rl.bench.pipeline_vs_sync import why_not_faster
+
+    def run(wait, train, sps, samples, lag):
+        return {
+            "wait_step_s": wait,
+            "train_step_s": train,
+            "samples_per_s": sps,
+            "samples_to_target": samples,
+            "lag_mean": lag,
+        }
+
+    results = {
+        "pipeline": [run(0.0, 1.2, 90.0, 3600, 1.7)],
+        "sync": [run(1.0, 1.0, 60.0, 2400, 0.0)],  # generation and training 1 s each on one core
+        "sync-colocated": [run(0.8, 0.7, 60.0, 3000, 0.0)],
+    }
+    lines = why_not_faster(results, 0.9, "sync")
+    # Split sync runs 1 + 1 s per step; overlapped on a core each, the slower phase (1 s) sets the pace.
+    assert "(1.00 + 1.00) / max(1.00, 1.00) = **2.00×** sync's" in lines[0]
+    assert "pipelined got 1.50×" in lines[0]
+    # 3600 samples against sync's 2400: 1.5x the samples, so 1.5x the samples/s buys nothing.
+    assert "1.50× the samples of sync" in lines[1] and "= **1.00×**" in lines[1]
+    # Against colocated sync: its 0.8 + 0.7 s per step over the one-core pace of 1 s.
+    assert "(0.80 + 0.70) / max(1.00, 1.00) = **1.50×**" in why_not_faster(results, 0.9, "sync-colocated")[0]
+    # A mode that never reached the target has no samples to it: no account rather than a wrong one.
+    results["sync"][0]["samples_to_target"] = None
+    assert why_not_faster(results, 0.9, "sync") == []
 
 
 def test_lag_study_sizes_the_buffer_so_the_lag_binds() -> None:
