@@ -178,6 +178,8 @@ def measure_run(run_dir: Path, levels: tuple[float, ...] = THRESHOLDS) -> dict:
         "wait_step_s": statistics.median(r["wait_data_s"] for r in steady) if steady else None,
         "train_step_s": statistics.median(r["step_s"] - r["wait_data_s"] for r in steady) if steady else None,
         "engine_idle": sum(1 for s in snapshots if s == 0) / len(snapshots) if snapshots else None,
+        # A draining batch: one request (a group of n answers) left, the rest of its round waiting on it.
+        "engine_one_request": sum(1 for s in snapshots if s == 1) / len(snapshots) if snapshots else None,
         "lag_mean": statistics.median(lags) if lags else None,  # median over steps of the per-token mean
         "too_stale": sum(r.get("too_stale", 0) for r in trainer),
     }
@@ -333,6 +335,7 @@ def run(ctx: BenchContext) -> dict:
                 med(mode, "train_step_s"),
                 med(mode, "trainer_idle"),
                 med(mode, "engine_idle"),
+                med(mode, "engine_one_request"),
             ]
         )
     table = markdown_table(
@@ -348,6 +351,7 @@ def run(ctx: BenchContext) -> dict:
             "s/step training",
             "trainer idle",
             "engine idle",
+            "engine at 1 request",
         ],
         rows,
     )
@@ -385,7 +389,8 @@ def run(ctx: BenchContext) -> dict:
         "half the cores each (each idle while the other works); `sync-colocated` gives each phase every core "
         "(`placement.colocate=true`). Pipelined trains "
         f"{sps_ratio:.2f}× the samples/s of the faster sync mode. Idle fractions: "
-        "trainer = waiting for data / step time; engine = share of 1 s snapshots with nothing in flight."
+        "trainer = waiting for data / step time; engine = share of the actor's 1 s snapshots with no request "
+        "in flight, and with one (a group of answers: a round draining on its last, longest group)."
         + failures_note(failures)
     )
     title = "3. Pipelined vs synchronous RL" + ("" if recipe == "arith" else f" ({recipe}: long answers)")

@@ -281,7 +281,16 @@ class Trainer:
         )
         report = self.publisher.last_report
         if report is not None:
-            line.update(push_bytes=report.total_bytes, push_max_pause_s=report.max_pause_seconds)
+            # The push's parts, to tell a slow request (the server's arm waits for its current engine
+            # step) from a slow transfer or a slow apply.
+            line.update(
+                push_bytes=report.total_bytes,
+                push_max_pause_s=report.max_pause_seconds,
+                push_request_s=report.request_seconds,
+                push_broadcast_s=report.broadcast_seconds,
+                push_max_receive_s=max((r.receive_seconds for r in report.results), default=0.0),
+                push_max_apply_s=max((r.apply_seconds for r in report.results), default=0.0),
+            )
         if self.publisher.enabled:
             line.update(self.publisher.membership_metrics())
         self.metrics.write(line, batch_id=batch_id, sample_ids=result.sample_ids)

@@ -170,6 +170,7 @@ def test_pipeline_vs_sync_times_each_accuracy_level_from_the_run_files(tmp_path:
     assert measured["time_to_s"] == {"50%": 10.0, "80%": 20.0, "90%": None}
     assert measured["time_to_target_s"] is None  # 90% never reached
     assert measured["trainer_idle"] == 0.75 / 4 and measured["engine_idle"] == 0.5
+    assert measured["engine_one_request"] == 0.5
     # Per-step phases from the second step on (the first carries the start-up).
     assert measured["wait_step_s"] == 0.25 and measured["train_step_s"] == 1.75
     assert measured["samples_per_s"] == 256 / 40

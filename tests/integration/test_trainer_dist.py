@@ -99,6 +99,10 @@ def test_sharded_two_ranks_push_exactly_the_parameters_they_gather(
         assert [h["version"] for h in capture.history] == list(range(1, STEPS + 1))
         pushed = dict(capture.received)
     assert all(m["push_bytes"] > 0 for m in metrics)
+    # The push's parts are each measured, and none exceeds the whole push.
+    parts = ("push_request_s", "push_broadcast_s", "push_max_receive_s", "push_max_apply_s")
+    assert all(0 <= m[k] <= m["weight_push_s"] for m in metrics for k in parts)
+    assert all(m["push_broadcast_s"] > 0 for m in metrics)
 
     final = checkpoint.latest_checkpoint(cfg.run_dir)
     assert _max_diff(pushed, load_weights(final / "model")) == 0.0  # the checkpoint gathers the same way
