@@ -305,7 +305,9 @@ def run(ctx: BenchContext) -> dict:
     def one_run(mode: str, i: int) -> dict:
         run_dir = ctx.out_dir / "pipeline_vs_sync" / f"{mode}{i}-{time.strftime('%H%M%S')}"
         run_dir.parent.mkdir(parents=True, exist_ok=True)
-        launch_run(ctx, mode, model, run_dir, wall_s, seed=i, recipe=recipe)
+        # An untrained (--quick) model's groups are all-equal: keep them, so steps and snapshots happen.
+        extra = ("preprocess.drop_all_equal_groups=false",) if ctx.quick else ()
+        launch_run(ctx, mode, model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
         evaluate_run(run_dir)
         return measure_run(run_dir, LEVELS[recipe])
 
