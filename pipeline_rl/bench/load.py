@@ -164,10 +164,11 @@ class ClosedLoop:
 
 
 async def closed_loop_window(
-    url: str, model: str, concurrency: int, seconds: float, *, max_tokens: int, ramp_s: float
+    url: str, model: str, concurrency: int, seconds: float, *, max_tokens: int, ramp_s: float, n: int = 1
 ) -> dict:
-    """Closed-loop non-streaming load for `seconds` after a ramp; requests that finish inside count."""
-    load = ClosedLoop(url, model, concurrency, max_tokens, stream=False, ramp_s=ramp_s)
+    """Closed-loop non-streaming load (`concurrency` requests of `n` completions each) for `seconds` after
+    a ramp; requests that finish inside the window count."""
+    load = ClosedLoop(url, model, concurrency, max_tokens, stream=False, ramp_s=ramp_s, n=n)
     task = asyncio.create_task(load.run())
     await asyncio.sleep(ramp_s * 1.5)  # every worker is in its loop and the batch has mixed ages
     t0 = time.monotonic()
