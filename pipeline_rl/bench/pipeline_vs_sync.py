@@ -195,6 +195,15 @@ def time_to_text(runs: list[dict], level: str) -> str:
     return f"{statistics.median(values):.0f}{spread}" + (f", {missed} not reached" if missed else "")
 
 
+def spread_text(runs: list[dict], key: str, digits: int = 0) -> str:
+    """'median (min-max)' of `key` over the runs that have it; '-' when none does."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    if not values:
+        return "-"
+    text = f"{statistics.median(values):.{digits}f}"
+    return text + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
+
+
 def median_time_to_target(runs: list[dict]) -> float | None:
     """Median seconds to the target over runs, a run that never reached it counting as infinitely slow
     (None when the median run did not reach it): what the goals compare."""
@@ -331,8 +340,8 @@ def run(ctx: BenchContext) -> dict:
                 pct(med(mode, "accuracy_before")),
                 pct(med(mode, "accuracy_after")),
                 med(mode, "steps"),
-                med(mode, "samples_per_s"),
-                med(mode, "samples_to_target"),
+                spread_text(results[mode], "samples_per_s", 1),
+                spread_text(results[mode], "samples_to_target"),
                 med(mode, "wait_step_s"),
                 med(mode, "train_step_s"),
                 med(mode, "trainer_idle"),

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -65,6 +64,7 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     median_of,
     median_time_to_target,
     plot_accuracy,
+    spread_text,
     time_to_text,
 )
 
@@ -210,14 +210,6 @@ def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, s
     return measure_run(run_dir)
 
 
-def _spread(results: list[dict], key: str, digits: int = 0) -> str:
-    values = [r[key] for r in results if r.get(key) is not None]
-    if not values:
-        return "-"
-    text = f"{statistics.median(values):.{digits}f}"
-    return text + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
-
-
 def run(ctx: BenchContext) -> dict:
     python = ensure_trl_venv(ctx.log)
     sizes = ["demo"] if ctx.quick else (ctx.options.get("sizes") or ["demo", "25m", "100m"])
@@ -265,9 +257,9 @@ def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int, fa
         [
             system,
             *(time_to_text(demo[system], level) for level in levels),
-            _spread([{"a": r["accuracy_after"] * 100} for r in demo[system]], "a"),
-            _spread(demo[system], "steps"),
-            _spread(demo[system], "samples_per_s", 1),
+            spread_text([{"a": r["accuracy_after"] * 100} for r in demo[system]], "a"),
+            spread_text(demo[system], "steps"),
+            spread_text(demo[system], "samples_per_s", 1),
         ]
         for system in demo
     ]
