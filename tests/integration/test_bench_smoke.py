@@ -320,6 +320,13 @@ def test_vs_trl_quick_creates_trls_own_venv_and_runs_every_system(tmp_path: Path
         (run,) = data[system]
         assert run["steps"] > 0 and run["samples_per_s"] > 0, (system, run)
         assert run["curve"], f"{system}: no held-out evaluation recorded"
+    # Our runs' snapshots were graded (eval rows in stats.jsonl), then their weights deleted; the index stays.
+    ours = [p for p in (out / "vs_trl").iterdir() if (p / "config.json").exists()]  # launcher runs
+    assert len(ours) == len(vs_trl.SYSTEMS) - 1, ours
+    for run_dir in ours:
+        stats = (run_dir / "stats.jsonl").read_text()
+        assert '"when": "snapshot"' in stats, run_dir
+        assert [p.name for p in (run_dir / "snapshots").iterdir()] == ["index.jsonl"], run_dir
     body = doc.read_text().split("<!-- bench:vs-trl:start -->")[1]
     assert "| trl " in body and "pipeline-rl bench vs-trl --quick" in body
     assert (tmp_path / "img" / "vs-trl.png").stat().st_size > 0
