@@ -89,6 +89,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="recompute: drop KV computed by old weights after an update; keep: in-flight requests keep it",
     )
     p.add_argument(
+        "--apply-weights",
+        choices=["prepared", "reload"],
+        default=None,
+        help="vllm backend: prepared (default) builds an update's weights and CPU prepacks beside the "
+        "live model while decoding goes on, and the pause only swaps them in (CPU engines; elsewhere and "
+        "where a model is not supported it falls back to reload); reload: vLLM's reload path inside the pause",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default=None,
         help="vllm backend: the format of tool calls the model writes, read for tool_choice auto (a vLLM "
@@ -148,6 +156,10 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.capture_dir is not None:
         raise SystemExit("--capture-dir needs --backend capture")
     tools = {}
+    if args.apply_weights is not None:
+        if args.backend != "vllm":
+            raise SystemExit("--apply-weights needs --backend vllm (the other engines have one way to apply)")
+        tools["apply_weights"] = args.apply_weights
     if args.tool_call_parser is not None:
         if args.backend != "vllm":
             raise SystemExit(

@@ -160,6 +160,9 @@ class UpdateResult(BaseModel):
     ok: bool
     error: str | None = None
     receive_seconds: float = 0.0
+    # Building the new weights beside the live model after the receive, while decoding goes on (vLLM on
+    # CPU, inference_shim/vllm_shadow.py); 0 where the engine applies inside the pause instead.
+    prepare_seconds: float = 0.0
     apply_seconds: float = 0.0
     pause_seconds: float = 0.0
     total_bytes: int = 0
@@ -305,6 +308,7 @@ class UpdateTimings(BaseModel):
     version: int
     total_bytes: int
     receive_seconds: float
+    prepare_seconds: float = 0.0
     apply_seconds: float
     pause_seconds: float
     finished_at: float = Field(default_factory=time.time)
@@ -341,6 +345,7 @@ class WorkerReceipt(BaseModel):
     error: str | None = None
     traceback: str | None = None
     receive_seconds: float = 0.0
+    prepare_seconds: float = 0.0  # the shadow's load + prepack after the receive (0: apply will reload)
     bytes: int = 0
 
 

@@ -25,7 +25,8 @@ The lifecycle (template methods here; engines fill in the hooks named in bracket
   request_weight_update  validate (4xx before any collective), mark pending, [_arm_receive], 200; then,
                          in a background task:
                            [_wait_received] (trainer's "go", buckets staged where the engine can stage)
-                           -> [_pause] -> [_apply] -> [_set_version_label] -> [_reset_cache] -> [_resume]
+                           -> [_pause] -> [_apply] -> [_set_version_label] and [_reset_cache] (sent
+                           together) -> [_resume]
                            -> publish the version -> write the result key for the trainer.
                          Every step from the pause to the resume shares one deadline (timeout_s), so a
                          stuck engine call fails the update instead of leaving it pending forever.
@@ -282,8 +283,12 @@ class Backend(abc.ABC):
             await _within(deadline, "pausing generation", self._pause())
             applying = True  # from here until the resume, the engine may hold a mix of weights
             await _within(deadline, "applying the weights", self._apply(req, result))
-            await _within(deadline, "setting the version label", self._set_version_label(req.version))
-            await _within(deadline, "resetting the prefix cache", self._reset_cache())
+            # Label and KV reset are independent engine calls: sent together, the pause waits for one
+            # round trip instead of two (~0.5 ms of a ~5 ms pause on vLLM-CPU).
+            label_and_reset = asyncio.gather(self._set_version_label(req.version), self._reset_cache())
+            await _within(
+                deadline, "setting the version label and resetting the prefix cache", label_and_reset
+            )
             await _within(deadline, "resuming generation", self._resume())
             paused = applying = self.paused = False
             result.pause_seconds = time.perf_counter() - paused_at
@@ -355,6 +360,7 @@ class Backend(abc.ABC):
             version=result.version,
             total_bytes=result.total_bytes,
             receive_seconds=result.receive_seconds,
+            prepare_seconds=result.prepare_seconds,
             apply_seconds=result.apply_seconds,
             pause_seconds=result.pause_seconds,
         )

@@ -7,8 +7,9 @@ Weight updates follow base.Backend's lifecycle; this file fills its hooks with w
 (inference_shim/vllm_worker.py; inference_shim/protocol.py has the trainer's half):
   arm the workers' background receive -> 200 to the trainer
   ... trainer writes "go" and broadcasts; workers stage the buckets while decoding continues ...
+  (on CPU each worker then prepares the new weights beside the live model: vllm_shadow.py)
   wait for every worker's WorkerReceipt -> pause (mode=keep: in-flight requests are frozen, not
-  aborted) -> pr_apply (vLLM reload path) -> set the engine's weight-version label -> drop KV computed
+  aborted) -> pr_apply (swap in the prepared weights, else vLLM's reload path) -> set the engine's weight-version label -> drop KV computed
   by the old weights -> resume.
 vLLM labels the output of every engine step with the label current at that step, so the per-token
 version spans it returns are exact.
@@ -85,6 +86,12 @@ class VllmOptions(BaseModel):
         default="recompute",
         description="recompute: drop all KV from old weights after an update (in-flight requests re-prefill). "
         "keep: in-flight requests keep their KV (cheaper, slightly off-policy); prefix caching is then disabled.",
+    )
+    apply_weights: Literal["prepared", "reload"] = Field(
+        default="prepared",
+        description="prepared: on CPU each worker loads and prepacks an update into a shadow of the model while "
+        "decoding goes on, and the pause only swaps it in (inference_shim/vllm_shadow.py; falls back to reload "
+        "where it cannot). reload: vLLM's reload path, inside the pause.",
     )
 
 
@@ -306,7 +313,10 @@ class VllmBackend(Backend):
         args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend)
         # The token rides the engine's in-process IPC: worker processes never see it in argv.
         ranks = await self._rpc(
-            "pr_init_group", timeout_s + 5, (*args, req.group_name, timeout_s, self.token)
+            "pr_init_group",
+            timeout_s + 5,
+            (*args, req.group_name, timeout_s, self.token),
+            {"prepare": self.options.apply_weights == "prepared"},
         )
         return list(ranks)
 
@@ -334,6 +344,7 @@ class VllmBackend(Backend):
         if failed:
             raise RuntimeError(f"worker rank {failed[0].rank}: {failed[0].error}")
         result.receive_seconds = max(r.receive_seconds for r in receipts)
+        result.prepare_seconds = max(r.prepare_seconds for r in receipts)
         result.total_bytes = receipts[0].bytes
 
     async def _pause(self) -> None:

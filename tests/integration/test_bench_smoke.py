@@ -86,6 +86,10 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
             assert data["skipped"], data  # simulated hosts need root: the section says why
             continue
         assert data["summary"], f"{name}: empty results"
+    # weight-sync's A/B of applying an update: the default server built it beside the live model (a
+    # prepare step, outside the pause); the `--apply-weights reload` server had nothing to prepare.
+    applies = {row["how"]: row for row in json.loads((out / "weight-sync.json").read_text())["applies"]}
+    assert applies["prepared"]["prepare_s"] > 0 and applies["reload in pause"]["prepare_s"] == 0, applies
     for plot in PLOTS:
         assert (img / plot).stat().st_size > 0
 

