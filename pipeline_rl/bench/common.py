@@ -52,7 +52,9 @@ class BenchContext:
 
         extra: tuple[str, ...] = ()
         if kind == "shim" and self.options.get("kv_after_update"):
-            extra = ("--kv-after-update", self.options["kv_after_update"])
+            extra += ("--kv-after-update", self.options["kv_after_update"])
+        if kind == "shim" and self.options.get("apply_weights"):
+            extra += ("--apply-weights", self.options["apply_weights"])
         env = tuple(tuple(item.split("=", 1)) for item in self.options.get("server_env", ()))
         return ServerSpec(kind, model, extra=extra, env=env)
 

@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="shim servers' mode; lag: run only this policy",
     )
     g.add_argument(
+        "--apply-weights",
+        choices=["prepared", "reload"],
+        default=None,
+        help="shim servers' way of applying an update (vLLM): prepared beside the live model (default) or "
+        "vLLM's reload path inside the pause",
+    )
+    g.add_argument(
         "--trainer-threads",
         type=int,
         default=None,
@@ -229,6 +236,7 @@ def _options(args: argparse.Namespace) -> dict:
         "concurrency": ints(args.concurrency),
         "server_env": args.server_env,
         "kv_after_update": args.kv_after_update,
+        "apply_weights": args.apply_weights,
         "trainer_threads": args.trainer_threads,
         "hosts": ints(args.hosts),
         "rates": args.rates.split(",") if args.rates else None,

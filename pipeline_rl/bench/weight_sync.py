@@ -205,13 +205,13 @@ def _pause_stats(pushes: list[dict]) -> tuple[float, float, float]:
     return median(pause), median(apply), median(transfer)
 
 
-def _apply_table(results: list[SizeResult], bucket: int) -> tuple[str, list[dict]]:
+def _apply_table(results: list[SizeResult], bucket: int, main_apply: str) -> tuple[str, list[dict]]:
     """Prepared beside the live model vs reloaded inside the pause, 1 server each, same rotation."""
     rows, summary = [], []
     for r in results:
         if r.skipped or not r.reload_pushes:
             continue
-        for how, pushes in (("prepared", r.pushes[(1, bucket)]), ("reload in pause", r.reload_pushes)):
+        for how, pushes in ((main_apply, r.pushes[(1, bucket)]), ("reload in pause", r.reload_pushes)):
             pause, apply, transfer = _pause_stats(pushes)
             prepare = median([max(x.get("prepare_seconds", 0.0) for x in p["results"]) for p in pushes])
             push = median([p["total_seconds"] for p in pushes])
@@ -427,7 +427,9 @@ def run(ctx: BenchContext) -> dict:
         results.append(_measure_size(ctx, size, buckets_mib, version))
     default_bucket = _default_bucket(buckets_mib)
     main, diag, summary = _tables(results, buckets_mib)
-    applies_table, applies = _apply_table(results, default_bucket)
+    # the main servers apply as --apply-weights says (prepared unless told); the A/B server reloads
+    main_apply = "reload in pause" if ctx.options.get("apply_weights") == "reload" else "prepared"
+    applies_table, applies = _apply_table(results, default_bucket, main_apply)
     images = _plot(ctx, summary, results, default_bucket)
     intro = (
         f"Full push = `WeightSender.push_tensors` (HTTP metadata + validation, gloo broadcast, apply in the "
