@@ -128,7 +128,7 @@ class WeightReceiverExtension:
         if self._pr_thread is not None and self._pr_thread.is_alive():
             raise RuntimeError("an update is already being received")
         metas = [TensorMeta(**t) for t in json.loads(tensors_json)]
-        self._pr_staged = None
+        self.pr_discard()  # an update staged but never applied (its shadow too)
         self._pr_thread = threading.Thread(
             target=self._pr_receive,
             args=(group, version, update_id, metas, bucket_bytes, timeout_s, fanout, chunk_bytes),
@@ -183,9 +183,8 @@ class WeightReceiverExtension:
         start = time.perf_counter()
         try:
             shadow = prepare(self.model_runner.get_model(), staged)
-        except (
-            Exception
-        ) as e:  # ShadowUnsupported, or a loader that failed on the shadow: nothing live changed
+        # ShadowUnsupported, or a loader that failed on the shadow: nothing live was changed
+        except Exception as e:
             log.warning(
                 "weights are applied by vLLM's reload path, inside the pause: %s: %s", type(e).__name__, e
             )
