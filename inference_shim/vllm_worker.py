@@ -318,17 +318,27 @@ def _release_free_memory() -> None:
 
 # How long an idle vLLM worker busy-polls its RPC queue after a call before it sleeps on a socket.
 IDLE_SPIN_S = 0.01
+# The longest such sleep before the worker looks at the queue again, notification or not.
+IDLE_POLL_MS = 10
 
 
 def _clamp_idle_spin() -> None:
-    """Cap vLLM's idle busy-poll so an idle worker does not spin while this worker receives weights.
+    """Cap vLLM's idle busy-poll so an idle worker does not spin while this worker receives weights, and
+    cap its sleep after that so a lost wake-up costs a few ms instead of 5 s.
 
     vLLM's shared-memory RPC reader spins (sched_yield) for 1 s after every call (SpinCondition,
     busy_loop_s=1). An update starts right after the `pr_arm_receive` call, so the worker's main
     thread spun through the whole transfer on the core the gloo receive thread needs (profiled: 53% of
     the main thread's samples in sched_yield; capping it halved the broadcast time). While the engine
-    decodes, calls come every few ms, so a 10 ms window keeps decoding on the fast path. A vLLM
-    internal: checked against vllm 0.32 (pinned in scripts/setup.sh), skipped if it moved.
+    decodes, calls come every few ms, so a 10 ms window keeps decoding on the fast path.
+
+    Past the window the reader sleeps on a ZMQ notification from the engine core, re-checking the
+    queue only every 5 s (SHM_READER_RECHECK_INTERVAL_MS: vLLM's own bound on a lost notification).
+    Notifications do get lost under load (which ZMQ path drops them was not pinned down): with the
+    10 ms window the worker takes that path after most steps, and 32 streams stalled for 5.0 s up to
+    every 20 s (docs/benchmarks.md F15). Sleeping at most IDLE_POLL_MS costs an idle worker ~100 cheap
+    wake-ups a second. A vLLM internal: checked against vllm 0.32 (pinned in scripts/setup.sh), skipped
+    if it moved.
     """
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
@@ -341,7 +351,7 @@ def _clamp_idle_spin() -> None:
     def wait(self, timeout_ms=None):
         if getattr(self, "busy_loop_s", 0) > IDLE_SPIN_S:
             self.busy_loop_s = IDLE_SPIN_S
-        return original(self, timeout_ms)
+        return original(self, IDLE_POLL_MS if timeout_ms is None else min(timeout_ms, IDLE_POLL_MS))
 
     SpinCondition.wait = wait
     SpinCondition._pr_clamped = True
