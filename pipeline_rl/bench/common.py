@@ -102,15 +102,16 @@ def rotate(items: Sequence, i: int) -> list:
 def run_interleaved(
     ctx: BenchContext, names: Sequence[str], seeds: int, one_run, json_name: str
 ) -> tuple[dict[str, list[dict]], list[str]]:
-    """one_run(name, seed) -> measured dict, for every name once per seed, the order rotating with the
-    seed. Returns each name's measured runs and a line per failed run.
+    """one_run(name, seed) -> measured dict, for every name once per seed (seeds first_seed(ctx) onwards),
+    the order rotating with the seed. Returns each name's measured runs and a line per failed run.
 
     A run that fails (a crashed launch, a missing result file) is logged and recorded, and the others go
     on: a benchmark of hours must not lose its finished runs to one bad one. The JSON (runs and failures)
     is rewritten after every run, so a benchmark stopped halfway keeps what it measured."""
     results: dict[str, list[dict]] = {name: [] for name in names}
     failures: list[str] = []
-    for i in range(seeds):
+    first = first_seed(ctx)
+    for i in range(first, first + seeds):
         for name in rotate(list(names), i):
             try:
                 measured = one_run(name, i)
@@ -124,6 +125,17 @@ def run_interleaved(
                 )
             ctx.save_json(json_name, {"runs": results, "failures": failures})
     return results, failures
+
+
+def first_seed(ctx: BenchContext) -> int:
+    """The first seed of a multi-seed benchmark (--first-seed; 0 unless a run adds seeds to an earlier one)."""
+    return ctx.options.get("first_seed") or 0
+
+
+def seeds_text(ctx: BenchContext, seeds: int) -> str:
+    """How a results section names its seeds: "3 seed(s)", or "3 seed(s) (3-5)" past the first run's."""
+    first = first_seed(ctx)
+    return f"{seeds} seed(s)" + (f" ({first}-{first + seeds - 1})" if first else "")
 
 
 def failures_note(failures: Sequence[str]) -> str:

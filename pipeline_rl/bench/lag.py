@@ -30,6 +30,7 @@ from pipeline_rl.bench.common import (
     publish,
     run_interleaved,
     section,
+    seeds_text,
 )
 from pipeline_rl.bench.pipeline_vs_sync import (
     EVAL_EVERY_S,
@@ -168,7 +169,7 @@ def publish_lag(
             tb = med(best, "time_to_target_s")
             goals.append(goal_line(name, tb < t0, f"{best} {tb:.0f} s vs lag0-recompute {t0:.0f} s."))
     intro = (
-        f"Pipelined runs of the demo recipe on the warmed-up demo model, {seeds} seed(s) per setting, "
+        f"Pipelined runs of the demo recipe on the warmed-up demo model, {seeds_text(ctx, seeds)} per setting, "
         f"{wall_s} s each, the settings rotating; only `actor.max_lag` and `inference.kv_after_update` "
         "change (and the buffer, sized to the lag: pipeline_rl/bench/lag.py). Seconds from the run's first "
         f"step, and samples trained into the evaluated weights, until greedy held-out accuracy (100 "

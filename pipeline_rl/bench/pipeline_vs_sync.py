@@ -32,6 +32,7 @@ from pipeline_rl.bench.common import (
     run_interleaved,
     run_to_end,
     section,
+    seeds_text,
 )
 
 # Held-out accuracies whose first crossing is timed, per recipe; the goal is judged at the last one.
@@ -126,15 +127,21 @@ def launch_run(
 def evaluate_run(run_dir: Path) -> None:
     """Grade every weight snapshot a finished run saved (greedy_eval.evaluate_snapshots, HF greedy on the
     run's held-out problems), appending eval rows timed when each was saved: after the run, so the
-    evaluations neither take the run's cores nor its time. Then delete the graded weights."""
+    evaluations neither take the run's cores nor its time. Then delete the graded weights. A run graded
+    before is left as it is (its rows are in stats.jsonl; its weights are gone)."""
     import shutil
 
     from pipeline_rl.bench.greedy_eval import evaluate_snapshots
     from pipeline_rl.config import load_run_config
     from pipeline_rl.trainer.checkpoint import SNAPSHOTS, read_snapshots
 
+    graded = run_dir / SNAPSHOTS / "GRADED"
+    if graded.exists():
+        return
     cfg = load_run_config(run_dir / "config.json")
     evaluate_snapshots(run_dir, cfg.task, cfg.eval.num_problems, cfg.eval.max_tokens)
+    graded.parent.mkdir(parents=True, exist_ok=True)  # a run may have saved no snapshot
+    graded.touch()  # before the weights go: a second call must not grade what is half deleted
     # Graded: the eval rows in stats.jsonl are what the benches read. The weights (~100 MB a demo-size run
     # at one save every 3 s) go; the index stays, naming what was saved when.
     for snap in read_snapshots(run_dir):
@@ -399,7 +406,7 @@ def run(ctx: BenchContext) -> dict:
     )
     notes = [goal, *why_not_faster(results, target, explained)]
     intro = (
-        f"The `{recipe}` recipe (`pipeline_rl/launch/demo.py` settings), {runs} seed(s) per mode, runs of {wall_s} s, "
+        f"The `{recipe}` recipe (`pipeline_rl/launch/demo.py` settings), {seeds_text(ctx, runs)} per mode, runs of {wall_s} s, "
         "the modes alternating; medians over seeds (min-max in brackets) of the "
         "seconds until held-out accuracy first reaches each level (greedy, 100 problems, graded after the run "
         f"on the weights the trainer saved every {EVAL_EVERY_S} s: `trainer.snapshot_every_s`, the saves on the "

@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds", type=int, default=None, help="runs per mode, seeds 0..N-1 (default 3; 1 with --quick)"
     )
     g.add_argument(
+        "--first-seed",
+        type=int,
+        default=None,
+        help="seeds K..K+N-1 instead: more seeds in a second run (e.g. --seeds 3 --first-seed 3)",
+    )
+    g.add_argument(
         "--run-s",
         type=int,
         default=None,
@@ -242,6 +248,7 @@ def _options(args: argparse.Namespace) -> dict:
         "rates": args.rates.split(",") if args.rates else None,
         "chunk_kib": args.chunk_kib,
         "seeds": args.seeds,
+        "first_seed": args.first_seed,
         "run_s": args.run_s,
         "recipe": args.recipe,
         "systems": args.systems.split(",") if args.systems else None,

@@ -53,6 +53,7 @@ from pipeline_rl.bench.common import (
     run_interleaved,
     run_to_end,
     section,
+    seeds_text,
 )
 from pipeline_rl.bench.pipeline_vs_sync import (
     EVAL_EVERY_S,
@@ -282,7 +283,7 @@ def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int, fa
         "`mode=sync` of `pipeline-rl launch` with the demo recipe, on the warmed-up demo model: same task, "
         "problems, held-out split, grader, reward table and hyperparameters (8 samples per prompt, 128 per "
         "step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens; pipeline_rl/bench/vs_trl.py "
-        f"says what differs). {seeds} seed(s) per system, the systems alternating; medians (min-max) of the "
+        f"says what differs). {seeds_text(ctx, seeds)} per system, the systems alternating; medians (min-max) of the "
         "seconds until greedy held-out accuracy on 100 problems, evaluated every "
         f"{EVAL_EVERY_S} s, first reaches each level, both sides by the same evaluator "
         "(pipeline_rl/bench/greedy_eval.py, HF greedy `generate`): TRL's between its steps with its clock "

@@ -529,6 +529,37 @@ def test_weight_snapshots_hold_each_versions_weights_and_are_evaluated_after_the
     assert [r for r in stats if r.get("when") == "snapshot"] == evals
 
 
+def test_evaluate_run_grades_each_snapshot_once_and_deletes_its_weights(tiny_model, tmp_path):
+    """bench.pipeline_vs_sync.evaluate_run: one eval row per snapshot, the weights deleted after grading,
+    and a second call on the same run changes nothing (the weights it would need are gone)."""
+    from pipeline_rl.bench.pipeline_vs_sync import evaluate_run
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    cfg, comm, package = _one_rank_package(tiny_model, tmp_path, groups=2, seed=5)
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_problems": 5, "max_tokens": 4})})
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json())
+    strategy = DDPStrategy(cfg, comm, tiny_model)
+    for version in (1, 2):
+        train_step(strategy, package, cfg.algo, step=version, temperature=1.0, comm=comm)
+        checkpoint.save_snapshot(
+            run_dir, version, strategy, comm, model_path=tiny_model, bucket_bytes=1 << 20
+        )
+
+    def eval_rows() -> list[dict]:
+        lines = (run_dir / "stats.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r.get("when") == "snapshot"]
+
+    evaluate_run(run_dir)
+    assert [r["weight_version"] for r in eval_rows()] == [1, 2]
+    assert not any(
+        (run_dir / checkpoint.SNAPSHOTS / r["path"]).exists() for r in checkpoint.read_snapshots(run_dir)
+    )
+    evaluate_run(run_dir)  # it raised here before: the graded weights were gone
+    assert [r["weight_version"] for r in eval_rows()] == [1, 2]
+
+
 def test_truncate_jsonl_keeps_steps_up_to_the_checkpoint(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
