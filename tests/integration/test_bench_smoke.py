@@ -330,7 +330,8 @@ def test_vs_trl_quick_creates_trls_own_venv_and_runs_every_system(tmp_path: Path
     for run_dir in ours:
         stats = (run_dir / "stats.jsonl").read_text()
         assert '"when": "snapshot"' in stats, run_dir
-        assert [p.name for p in (run_dir / "snapshots").iterdir()] == ["index.jsonl"], run_dir
+        # graded, then the weights deleted: only the index and the graded marker stay
+        assert sorted(p.name for p in (run_dir / "snapshots").iterdir()) == ["GRADED", "index.jsonl"], run_dir
     body = doc.read_text().split("<!-- bench:vs-trl:start -->")[1]
     assert "| trl " in body and "pipeline-rl bench vs-trl --quick" in body
     assert (tmp_path / "img" / "vs-trl.png").stat().st_size > 0
