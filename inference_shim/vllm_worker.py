@@ -65,6 +65,10 @@ class WeightReceiverExtension:
     _pr_token: str | None = None  # the server's token: store values are signed / verified with it
     _pr_prepare_updates: bool = True  # build updates beside the live model (vllm_shadow.py) where it can
 
+    def pr_cap_idle_sleep(self) -> None:
+        """Called once at start-up: a lost engine-to-worker wake-up costs ms, not 5 s (F15)."""
+        _patch_rpc_reader()
+
     def pr_init_group(
         self,
         master_address: str,
@@ -109,7 +113,7 @@ class WeightReceiverExtension:
         self._pr_prepare_updates = prepare
         self._pr_buffers = []
         self._pr_reuse_checked = False
-        _clamp_idle_spin()
+        _patch_rpc_reader(clamp_spin=True)
         return rank
 
     def pr_arm_receive(
@@ -316,45 +320,50 @@ def _release_free_memory() -> None:
         pass
 
 
-# How long an idle vLLM worker busy-polls its RPC queue after a call before it sleeps on a socket.
+# How long an idle vLLM worker busy-polls its RPC queue after a call before it sleeps on a socket,
+# once it joined a weight group (vLLM's own: 1 s).
 IDLE_SPIN_S = 0.01
-# The longest such sleep before the worker looks at the queue again, notification or not.
+# The longest such sleep before the worker looks at the queue again, notification or not (vLLM's: 5 s).
 IDLE_POLL_MS = 10
+_spin_clamped = False  # set when this worker joins a weight group
 
 
-def _clamp_idle_spin() -> None:
-    """Cap vLLM's idle busy-poll so an idle worker does not spin while this worker receives weights, and
-    cap its sleep after that so a lost wake-up costs a few ms instead of 5 s.
+def _patch_rpc_reader(clamp_spin: bool = False) -> None:
+    """Bound how long vLLM's shared-memory RPC reader in this worker sleeps (always, from start-up:
+    `pr_cap_idle_sleep`) and, with clamp_spin (from the first weight group on), how long it spins.
 
-    vLLM's shared-memory RPC reader spins (sched_yield) for 1 s after every call (SpinCondition,
-    busy_loop_s=1). An update starts right after the `pr_arm_receive` call, so the worker's main
-    thread spun through the whole transfer on the core the gloo receive thread needs (profiled: 53% of
-    the main thread's samples in sched_yield; capping it halved the broadcast time). While the engine
-    decodes, calls come every few ms, so a 10 ms window keeps decoding on the fast path.
+    The sleep. Past its spin the reader sleeps on a ZMQ notification from the engine core and re-checks
+    the queue only every 5 s (SHM_READER_RECHECK_INTERVAL_MS: vLLM's own bound on a lost notification).
+    Notifications do get lost under load (which ZMQ path drops them was not pinned down): 32 streams
+    stalled for 5.0 s up to every 20 s (docs/benchmarks.md F15). Sleeping at most IDLE_POLL_MS costs an
+    idle worker ~100 cheap wake-ups a second.
 
-    Past the window the reader sleeps on a ZMQ notification from the engine core, re-checking the
-    queue only every 5 s (SHM_READER_RECHECK_INTERVAL_MS: vLLM's own bound on a lost notification).
-    Notifications do get lost under load (which ZMQ path drops them was not pinned down): with the
-    10 ms window the worker takes that path after most steps, and 32 streams stalled for 5.0 s up to
-    every 20 s (docs/benchmarks.md F15). Sleeping at most IDLE_POLL_MS costs an idle worker ~100 cheap
-    wake-ups a second. A vLLM internal: checked against vllm 0.32 (pinned in scripts/setup.sh), skipped
-    if it moved.
+    The spin. vLLM's reader spins (sched_yield) for 1 s after every call (busy_loop_s=1). An update
+    starts right after the `pr_arm_receive` call, so the worker's main thread spun through the whole
+    transfer on the core the gloo receive thread needs (profiled: 53% of the main thread's samples in
+    sched_yield; capping it halved the broadcast time). While the engine decodes, calls come every few
+    ms, so a 10 ms window keeps decoding on the fast path; the reader sleeps after more steps, which is
+    what made F15's lost notifications frequent.
+
+    A vLLM internal: checked against vllm 0.32 (pinned in scripts/setup.sh), skipped if it moved.
     """
+    global _spin_clamped
+    _spin_clamped = _spin_clamped or clamp_spin
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:
         return
-    if getattr(SpinCondition, "_pr_clamped", False) or not hasattr(SpinCondition, "wait"):
+    if getattr(SpinCondition, "_pr_patched", False) or not hasattr(SpinCondition, "wait"):
         return
     original = SpinCondition.wait
 
     def wait(self, timeout_ms=None):
-        if getattr(self, "busy_loop_s", 0) > IDLE_SPIN_S:
+        if _spin_clamped and getattr(self, "busy_loop_s", 0) > IDLE_SPIN_S:
             self.busy_loop_s = IDLE_SPIN_S
         return original(self, IDLE_POLL_MS if timeout_ms is None else min(timeout_ms, IDLE_POLL_MS))
 
     SpinCondition.wait = wait
-    SpinCondition._pr_clamped = True
+    SpinCondition._pr_patched = True
 
 
 def _timedelta(seconds: float):

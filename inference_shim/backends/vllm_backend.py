@@ -155,6 +155,7 @@ class VllmBackend(Backend):
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         self.engine = AsyncLLM.from_engine_args(args)
         await self.engine.update_weight_version("0")
+        await self._rpc("pr_cap_idle_sleep", 60.0)  # F15: a lost wake-up must not stall decoding 5 s
         self.tokenizer = AutoTokenizer.from_pretrained(o.model)
         engine_dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
         # The trainer must send tensors in the engine's dtype, under the checkpoint's names and shapes.

@@ -1,7 +1,8 @@
-"""The vLLM worker's clamp on its shared-memory RPC reader (inference_shim/vllm_worker.py _clamp_idle_spin),
-on vLLM's real SpinCondition and real ZMQ sockets: once idle, the reader sleeps at most IDLE_POLL_MS
-before it looks at the queue again, so a lost wake-up notification cannot stall decoding for vLLM's 5 s
-recheck (docs/benchmarks.md F15). No notification is ever sent here: that is the lost one.
+"""The vLLM worker's bounds on its shared-memory RPC reader (inference_shim/vllm_worker.py
+_patch_rpc_reader), on vLLM's real SpinCondition and real ZMQ sockets: once idle, the reader sleeps at
+most IDLE_POLL_MS before it looks at the queue again, so a lost wake-up notification cannot stall
+decoding for vLLM's 5 s recheck (docs/benchmarks.md F15); its spin is clamped only once the worker
+joined a weight group. No notification is ever sent here: that is the lost one.
 
     .venv/bin/python -m pytest -q tests/unit/test_vllm_idle_poll.py
 """
@@ -16,7 +17,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 
-from inference_shim.vllm_worker import IDLE_SPIN_S, _clamp_idle_spin  # noqa: E402
+from inference_shim import vllm_worker  # noqa: E402
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def _returns(reader, timeout_ms) -> bool:
 
 
 def test_idle_reader_wakes_without_a_notification(idle_reader):
-    _clamp_idle_spin()
+    vllm_worker._patch_rpc_reader()  # what pr_cap_idle_sleep does at start-up
     # vLLM's own reader would sleep out the whole timeout (5 s, or forever with None) waiting for a
     # notification that, when lost, never comes.
     assert _returns(idle_reader, None), (
@@ -53,8 +54,12 @@ def test_idle_reader_wakes_without_a_notification(idle_reader):
     assert _returns(idle_reader, 5000), "an idle reader slept vLLM's whole 5 s recheck interval"
 
 
-def test_busy_window_is_capped(idle_reader):
-    _clamp_idle_spin()
+def test_spin_is_clamped_only_after_joining_a_group(idle_reader, monkeypatch):
+    monkeypatch.setattr(vllm_worker, "_spin_clamped", False)  # a fresh worker
+    vllm_worker._patch_rpc_reader()
     idle_reader.busy_loop_s = 1.0  # vLLM's default: spin 1 s after every read
     assert _returns(idle_reader, None)
-    assert idle_reader.busy_loop_s == IDLE_SPIN_S
+    assert idle_reader.busy_loop_s == 1.0  # start-up bounds the sleep only
+    vllm_worker._patch_rpc_reader(clamp_spin=True)  # what pr_init_group does
+    assert _returns(idle_reader, None)
+    assert idle_reader.busy_loop_s == vllm_worker.IDLE_SPIN_S
