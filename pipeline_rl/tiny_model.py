@@ -132,3 +132,67 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     ).save_pretrained(out)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.model_dump(), indent=2) + "\n")
     return out
+
+
+def grow_model(
+    src_dir: str | Path, out_dir: str | Path, factor: int, noise: float = 0.01, seed: int = 0
+) -> Path:
+    """A model `factor` times as wide as src_dir's (about factor**2 the parameters) computing the same
+    function, plus a little noise: how the benchmarks get a warmed-up model at ~25M and ~100M parameters
+    without a warm-up of hours (docs/decisions.md, "Warm models at larger sizes").
+
+    Every width (hidden, heads, key/value heads, MLP) is tiled `factor` times, head_dim unchanged. The
+    residual stream becomes `factor` copies of the old one, which RMSNorm leaves as it is (same mean
+    square); a linear layer reads the copies with its old weights divided by `factor` and writes copies;
+    query head h' is old head h' mod heads and still reads its old key/value head (groups tile the same
+    way). The LM head, tied to the embedding, sums the copies, so the final norm's weight is divided by
+    `factor`. Then each weight gets Gaussian noise of `noise` times its own standard deviation, so the
+    copies differ and train as separate units, not as one model `factor` times over.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    if factor < 1:
+        raise ValueError(f"grow factor must be >= 1, got {factor}")
+    src, out = Path(src_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("model_type") != "qwen2":
+        raise ValueError(f"{src}: grow_model knows Qwen2-style models, not {config.get('model_type')!r}")
+    vocab = config["vocab_size"]
+    tensors = {}
+    for path in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    generator = torch.Generator().manual_seed(seed)
+    grown = {}
+    for name, weight in tensors.items():
+        weight = weight.float()
+        if weight.dim() == 1:  # norm weights and biases: one value per (tiled) channel
+            new = weight.repeat(factor)
+            if name == "model.norm.weight" and config.get("tie_word_embeddings"):
+                new = new / factor
+        elif name == "model.embed_tokens.weight" or (name == "lm_head.weight" and weight.shape[0] == vocab):
+            # [vocab, hidden]: rows are tokens; the embedding writes copies, an untied head sums them.
+            new = weight.repeat(1, factor)
+            if name == "lm_head.weight":
+                new = new / factor
+        else:  # a linear layer [out, in]: reads the copies (divide by factor), writes copies
+            new = weight.repeat(factor, factor) / factor
+        if noise and weight.dim() == 2:
+            new = new + torch.randn(new.shape, generator=generator) * (noise * new.std())
+        grown[name] = new.contiguous()
+    # head_dim stays; an older config leaves it implicit (hidden / heads), which tiling would keep anyway.
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+        config[key] *= factor
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(grown, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in ("generation_config.json",):
+        if (src / extra).exists():
+            (out / extra).write_text((src / extra).read_text())
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    (out / "grown_from.json").write_text(
+        json.dumps({"source": str(src), "factor": factor, "noise": noise, "seed": seed}, indent=2) + "\n"
+    )
+    return out

@@ -1,8 +1,8 @@
 """Benchmark 9, `pipeline-rl bench vs-trl`: TRL's GRPOTrainer vs our pipelined and sync runs, same box.
 
-    pipeline-rl bench vs-trl                              # demo model, 3 seeds, 200 s runs; 25M and 100M: throughput
+    pipeline-rl bench vs-trl                              # demo model, 3 seeds, 200 s runs; then 25M, 100M
     pipeline-rl bench vs-trl --sizes demo --seeds 3 --run-s 150
-    pipeline-rl bench vs-trl --sizes 25m,100m --run-s 120
+    pipeline-rl bench vs-trl --sizes 25m --seeds 3
     pipeline-rl bench vs-trl --quick                      # tiny untrained model, 1 seed, 20 s runs (smoke test)
 
 TRL runs in a venv of its own, artifacts/trl-venv, which this benchmark creates on first use (torch from
@@ -21,10 +21,11 @@ Our runs train every group, as TRL's GRPOTrainer does (`preprocess.drop_all_equa
 all-equal group has zero advantage there; the demo recipe's DAPO dynamic sampling, which drops them and
 generates more, would be a different algorithm).
 
-Sizes: `demo` is the warmed-up demo model (artifacts/tiny-arith, ~1M parameters): times to 50/80/90%
-held-out accuracy and samples/s, seeds 0..N-1, the systems rotating which goes first. `25m` and
-`100m` are untrained models from pipeline_rl/bench/models.py (a warm-up at those sizes takes hours
-here): samples/s only, one seed. Evaluations: one evaluator for both sides, greedy HF `generate` of the
+Sizes: `demo` is the warmed-up demo model (artifacts/tiny-arith, ~1M parameters); `25m` and `100m` are
+that model grown 5x and 10x wide (24.7M and 98.5M parameters, pipeline_rl/tiny_model.py's grow_model:
+the same function plus 1% noise, so every size starts warm; a warm-up at those sizes would take hours
+here). At every size: times to 50/80/90% held-out accuracy and samples/s, seeds 0..N-1, the systems
+rotating which goes first. Evaluations: one evaluator for both sides, greedy HF `generate` of the
 same 100 test problems (pipeline_rl/bench/greedy_eval.py). TRL's run calls it every EVAL_EVERY_S
 seconds between steps with its clock paused; our trainer saves its weights every EVAL_EVERY_S seconds
 (`trainer.snapshot_every_s`, the save on our clock) and they are evaluated after the run, each at the
@@ -62,7 +63,6 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     evaluate_run,
     launch_run,
     measure_run,
-    median_of,
     median_time_to_target,
     plot_accuracy,
     spread_text,
@@ -82,12 +82,21 @@ def _ours(systems) -> list[str]:
     return [s for s in systems if s != "trl"]
 
 
-# size -> bench model name (pipeline_rl/bench/models.py); "demo" is the warmed-up demo model.
-BENCH_MODELS = {"25m": "100mb", "100m": "400mb"}
-RUN_S = {"full": 200, "throughput": 150, "quick": 20}
+# size -> how many times wider than the demo model (grow_model); "demo" is the warmed-up demo model.
+GROW_FACTOR = {"demo": 1, "25m": 5, "100m": 10}
+# Default seconds per run: about twice the slowest system's time to 90% at that size.
+RUN_S = {"demo": 200, "25m": 400, "100m": 900, "quick": 20}
+# Seconds between evaluations (weight snapshots on our side): every snapshot of a larger model is a
+# save on our clock and a greedy evaluation after the run, so they are sparser where steps are slower.
+EVAL_EVERY = {"demo": EVAL_EVERY_S, "25m": 15, "100m": 40, "quick": EVAL_EVERY_S}
+# Which results section (publish name, title) each size writes.
+SECTIONS = {
+    "demo": ("vs-trl", "9. Against TRL's GRPOTrainer"),
+    "25m": ("vs-trl-25m", "9b. Against TRL at ~25M parameters"),
+    "100m": ("vs-trl-100m", "9c. Against TRL at ~100M parameters"),
+}
 # TRL's GRPOTrainer trains on every group (an all-equal group has zero advantage); the demo recipe's DAPO
-# dynamic sampling would drop those and refill, a different algorithm: off, as TRL has it (and at the
-# untrained sizes every group is all-equal: with it on, nothing would be trained).
+# dynamic sampling would drop those and refill, a different algorithm: off, as TRL has it.
 SAME_OBJECTIVE_AS_TRL = ("preprocess.drop_all_equal_groups=false",)
 
 
@@ -130,13 +139,15 @@ def _model(ctx: BenchContext, size: str) -> Path:
         from pipeline_rl.tiny_model import build_tiny_model
 
         return build_tiny_model(ctx.out_dir / "models" / "tiny")
+    from pipeline_rl.launch.demo import prepare_model
+
+    demo_model = prepare_model()
     if size == "demo":
-        from pipeline_rl.launch.demo import prepare_model
+        return demo_model
+    from pipeline_rl.tiny_model import grow_model
 
-        return prepare_model()
-    from pipeline_rl.bench.models import bench_model
-
-    return bench_model(BENCH_MODELS[size])
+    # Grown afresh each run (seconds; deterministic), so it always matches the demo model it came from.
+    return grow_model(demo_model, ARTIFACTS / "grown" / f"tiny-arith-x{GROW_FACTOR[size]}", GROW_FACTOR[size])
 
 
 def run_trl(
@@ -187,36 +198,27 @@ def measure_trl(out: Path) -> dict:
 
 
 def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, seed: int, run_s: int) -> dict:
-    throughput_only = size != "demo" and not ctx.quick
+    eval_every_s = EVAL_EVERY["quick" if ctx.quick else size]
     run_dir = ctx.out_dir / "vs_trl" / f"{size}-{system}{seed}-{time.strftime('%H%M%S')}"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     if system == "trl":
         out = run_dir.with_suffix(".jsonl")
-        run_trl(ctx, python, model, out, run_s, seed, 0 if throughput_only else EVAL_EVERY_S)
+        run_trl(ctx, python, model, out, run_s, seed, eval_every_s)
         return measure_trl(out)
-    # The trainer saves its weights every EVAL_EVERY_S; they are evaluated after the run.
-    snapshot_every_s = 0 if throughput_only else EVAL_EVERY_S
+    # The trainer saves its weights every eval_every_s; they are evaluated after the run.
     launch_run(
-        ctx,
-        system,
-        model,
-        run_dir,
-        run_s,
-        seed,
-        extra=SAME_OBJECTIVE_AS_TRL,
-        snapshot_every_s=snapshot_every_s,
+        ctx, system, model, run_dir, run_s, seed, extra=SAME_OBJECTIVE_AS_TRL, snapshot_every_s=eval_every_s
     )
-    if not throughput_only:
-        evaluate_run(run_dir)
+    evaluate_run(run_dir)
     return measure_run(run_dir)
 
 
 def run(ctx: BenchContext) -> dict:
     python = ensure_trl_venv(ctx.log)
     sizes = ["demo"] if ctx.quick else (ctx.options.get("sizes") or ["demo", "25m", "100m"])
-    unknown = [s for s in sizes if s != "demo" and s not in BENCH_MODELS]
+    unknown = [s for s in sizes if s not in GROW_FACTOR]
     if unknown:
-        raise ValueError(f"vs-trl --sizes: {unknown} not among demo, {', '.join(BENCH_MODELS)}")
+        raise ValueError(f"vs-trl --sizes: {unknown} not among {', '.join(GROW_FACTOR)}")
     seeds = ctx.options.get("seeds") or (1 if ctx.quick else 3)
     systems = ctx.options.get("systems") or list(SYSTEMS)
     unknown = [s for s in systems if s != "trl" and s not in VARIANTS]
@@ -228,49 +230,43 @@ def run(ctx: BenchContext) -> dict:
     failures: dict[str, list[str]] = {}  # size -> its failed runs
     for size in sizes:
         model = _model(ctx, size)
-        accuracy_runs = size == "demo"
-        run_s = (
-            ctx.options.get("run_s")
-            or RUN_S["quick" if ctx.quick else "full" if accuracy_runs else "throughput"]
-        )
+        run_s = ctx.options.get("run_s") or RUN_S["quick" if ctx.quick else size]
 
         def one_run(system: str, i: int, model=model, size=size, run_s=run_s) -> dict:
             return _one(ctx, python, system, model, size, i, run_s)
 
-        n = seeds if accuracy_runs else 1
-        results[size], failures[size] = run_interleaved(ctx, systems, n, one_run, f"vs_trl-{size}")
-
-    if "demo" in results:
-        _publish_demo(ctx, results["demo"], seeds, failures["demo"])
-    throughput = [s for s in sizes if s != "demo"]
-    if throughput:
-        _publish_throughput(
-            ctx,
-            {size: results[size] for size in throughput},
-            [f"{size} {line}" for size in throughput for line in failures[size]],
-        )
+        results[size], failures[size] = run_interleaved(ctx, systems, seeds, one_run, f"vs_trl-{size}")
+        _publish_size(ctx, size, results[size], seeds, failures[size])
     return results
 
 
-def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int, failures: list[str]) -> None:
+def _publish_size(
+    ctx: BenchContext, size: str, by_system: dict[str, list[dict]], seeds: int, failures: list[str]
+) -> None:
     levels = [f"{level:.0%}" for level in THRESHOLDS]
+    eval_every_s = EVAL_EVERY["quick" if ctx.quick else size]
     rows = [
         [
             system,
-            *(time_to_text(demo[system], level) for level in levels),
-            spread_text([{"a": r["accuracy_after"] * 100} for r in demo[system]], "a"),
-            spread_text(demo[system], "steps"),
-            spread_text(demo[system], "samples_per_s", 1),
+            *(time_to_text(by_system[system], level) for level in levels),
+            spread_text([{"a": r["accuracy_after"] * 100} for r in by_system[system]], "a"),
+            spread_text(by_system[system], "steps"),
+            spread_text(by_system[system], "samples_per_s", 1),
         ]
-        for system in demo
+        for system in by_system
     ]
     table = markdown_table(
         ["system", *(f"s to {level}" for level in levels), "final acc. %", "steps", "samples/s"], rows
     )
-    best_ours = [median_time_to_target(demo[m]) for m in _ours(demo)]
+    best_ours = [median_time_to_target(by_system[m]) for m in _ours(by_system)]
     ours = min((t for t in best_ours if t is not None), default=None)
-    theirs = median_time_to_target(demo["trl"])
-    name = f"ahead of TRL in time to {TARGET:.0%} held-out accuracy (demo model)"
+    theirs = median_time_to_target(by_system["trl"])
+    model_text = {
+        "demo": "the warmed-up demo model",
+        "25m": "the demo model grown 5x wide (24.7M parameters)",
+        "100m": "the demo model grown 10x wide (98.5M parameters)",
+    }[size]
+    name = f"ahead of TRL in time to {TARGET:.0%} held-out accuracy ({model_text})"
     if ours is not None and theirs is not None:
         detail = f"ours {ours:.0f} s vs TRL {theirs:.0f} s (the better of our modes; medians over seeds)."
         goal = goal_line(name, ours < theirs, detail)
@@ -280,57 +276,20 @@ def _publish_demo(ctx: BenchContext, demo: dict[str, list[dict]], seeds: int, fa
         goal = goal_line(name, ours is not None, f"only {'ours' if ours is not None else 'TRL'} reached it.")
     intro = (
         f"TRL {TRL_VERSION} `GRPOTrainer` (its own venv, one process, every core) vs `mode=pipeline` and "
-        "`mode=sync` of `pipeline-rl launch` with the demo recipe, on the warmed-up demo model: same task, "
+        f"`mode=sync` of `pipeline-rl launch` with the demo recipe, on {model_text}: same task, "
         "problems, held-out split, grader, reward table and hyperparameters (8 samples per prompt, 128 per "
         "step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens; pipeline_rl/bench/vs_trl.py "
         f"says what differs). {seeds_text(ctx, seeds)} per system, the systems alternating; medians (min-max) of the "
         "seconds until greedy held-out accuracy on 100 problems, evaluated every "
-        f"{EVAL_EVERY_S} s, first reaches each level, both sides by the same evaluator "
+        f"{eval_every_s} s, first reaches each level, both sides by the same evaluator "
         "(pipeline_rl/bench/greedy_eval.py, HF greedy `generate`): TRL's between its steps with its clock "
-        f"paused, ours after the run on the weights our trainer saved every {EVAL_EVERY_S} s "
+        f"paused, ours after the run on the weights our trainer saved every {eval_every_s} s "
         "(`trainer.snapshot_every_s`; the save is on our clock, the evaluation is not). Our clock is wall "
         "time from the run's first stats row, TRL's is training time. Our runs train every group, as TRL "
         "does (`preprocess.drop_all_equal_groups=false`; the demo recipe drops all-equal groups)."
         + failures_note(failures)
     )
     xlabel = "seconds (ours: wall since the first step; TRL: training time)"
-    images = [i for i in [plot_accuracy(ctx, demo, "vs-trl", xlabel=xlabel)] if i is not None]
-    publish(ctx, "vs-trl", section(ctx, "9. Against TRL's GRPOTrainer", intro, [table], [goal], images))
-
-
-def _publish_throughput(
-    ctx: BenchContext, by_size: dict[str, dict[str, list[dict]]], failures: list[str]
-) -> None:
-    rows, goals = [], []
-    for size, results in by_size.items():
-        sps = {system: median_of(results[system], "samples_per_s") or 0.0 for system in results}
-        ours = max(sps[s] for s in _ours(results))
-        steps = {system: median_of(results[system], "steps") or 0 for system in results}
-        rows.append(
-            [
-                size,
-                *(f"{sps[s]:.1f} ({steps[s]:.0f} steps)" for s in results),
-                f"{ours / sps['trl']:.2f}" if sps["trl"] else "-",
-            ]
-        )
-        measured = bool(results["trl"]) and any(results[s] for s in _ours(results))
-        goals.append(
-            goal_line(
-                f"more samples/s than TRL at {size}",
-                ours > sps["trl"] if measured else None,
-                f"ours {ours:.1f} vs TRL {sps['trl']:.1f} samples/s."
-                if measured
-                else "not measured: a run failed (below).",
-            )
-        )
-    systems = list(next(iter(by_size.values())))
-    table = markdown_table(["size", *(f"{s} samples/s" for s in systems), "best ours / TRL"], rows)
-    intro = (
-        f"The same systems on larger untrained models (pipeline_rl/bench/models.py: `25m` = "
-        f"{BENCH_MODELS['25m']}, `100m` = {BENCH_MODELS['100m']} of float32 weights), one run each: samples "
-        "trained per second over the run, no accuracy (a warm-up at these sizes takes hours here). Our "
-        "modes keep all-equal groups (`preprocess.drop_all_equal_groups=false`), so every system trains "
-        "every sample it generates." + failures_note(failures)
-    )
-    body = section(ctx, "9b. Against TRL at larger models: throughput", intro, [table], goals)
-    publish(ctx, "vs-trl-sizes", body)
+    doc_name, title = SECTIONS[size]
+    images = [i for i in [plot_accuracy(ctx, by_system, doc_name, xlabel=xlabel)] if i is not None]
+    publish(ctx, doc_name, section(ctx, title, intro, [table], [goal], images))
