@@ -2,6 +2,7 @@
 
     pipeline-rl serve --model DIR [--port N] [--token T]     inference server (shim + engine)
     pipeline-rl tiny-model --out DIR [--hidden 64 ...]       build the tiny CPU model
+    pipeline-rl tiny-model --out DIR --grow-from DIR2 --factor 5   DIR2 5x wider, same function
     pipeline-rl launch [key=value ...]                       a whole run (see README)
     pipeline-rl demo                                         the CPU demo
     pipeline-rl bench NAME                                   benchmarks (pipeline_rl/bench/)
@@ -53,11 +54,25 @@ def _add_tiny_model(sub) -> None:
     p.add_argument("--intermediate", type=int, default=128)
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--grow-from",
+        help="instead of a new model: DIR's model made --factor times wider, computing the same function "
+        "(plus --noise); e.g. the warmed-up demo model at ~25M (--factor 5) or ~100M (--factor 10) parameters",
+    )
+    p.add_argument("--factor", type=int, default=5, help="with --grow-from: width multiplier")
+    p.add_argument(
+        "--noise", type=float, default=0.01, help="with --grow-from: noise, times each weight's std"
+    )
 
 
 def _run_tiny_model(args: argparse.Namespace) -> None:
-    from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+    from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model, grow_model
 
+    if args.grow_from:
+        out = grow_model(args.grow_from, args.out, args.factor, noise=args.noise, seed=args.seed)
+        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        print(f"wrote {out} ({size / 1e6:.2f} MB of weights; {args.grow_from} grown {args.factor}x wide)")
+        return
     spec = TinyModelSpec(
         hidden_size=args.hidden,
         num_layers=args.layers,

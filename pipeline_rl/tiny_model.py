@@ -2,6 +2,7 @@
 
     pipeline-rl tiny-model --out models/tiny                      # ~0.3 MB, for tests
     pipeline-rl tiny-model --out models/bench-100m --hidden 768 --layers 8 --intermediate 3072
+    pipeline-rl tiny-model --out models/arith-25m --grow-from artifacts/tiny-arith --factor 5   # warm, ~25M
 
 The tokenizer is character-level (byte-level BPE with no merges, so one token per character) over
 printable ASCII and newline plus ChatML special tokens, with a ChatML chat template: small, exact, and enough for

@@ -84,6 +84,10 @@ def _ours(systems) -> list[str]:
 
 # size -> how many times wider than the demo model (grow_model); "demo" is the warmed-up demo model.
 GROW_FACTOR = {"demo": 1, "25m": 5, "100m": 10}
+# The demo's lr 1e-4 divided by the growth factor: AdamW moves each of a grown weight's K copies by about
+# lr a step, so the function would move ~K times as far per step as the demo model's; at lr 1e-4 the 25M
+# model's held-out accuracy jumped around 20-40% for 400 s (docs/decisions.md). Same for every system.
+LEARNING_RATE = {size: 1e-4 / factor for size, factor in GROW_FACTOR.items()}
 # Default seconds per run: about twice the slowest system's time to 90% at that size.
 RUN_S = {"demo": 200, "25m": 400, "100m": 900, "quick": 20}
 # Seconds between evaluations (weight snapshots on our side): every snapshot of a larger model is a
@@ -151,7 +155,14 @@ def _model(ctx: BenchContext, size: str) -> Path:
 
 
 def run_trl(
-    ctx: BenchContext, python: Path, model: Path, out: Path, run_s: int, seed: int, eval_every_s: int
+    ctx: BenchContext,
+    python: Path,
+    model: Path,
+    out: Path,
+    run_s: int,
+    seed: int,
+    eval_every_s: int,
+    learning_rate: float = 1e-4,
 ) -> None:
     from pipeline_rl.launch.demo import DEMO_TASK
 
@@ -165,6 +176,7 @@ def run_trl(
         f"--out={out}",
         f"--task-json={DEMO_TASK.model_dump_json()}",
         f"--eval-every-s={eval_every_s}",
+        f"--learning-rate={learning_rate}",
     ]
     ctx.log(f"trl: {' '.join(cmd[3:])}")
     env = {
@@ -203,12 +215,11 @@ def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, s
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     if system == "trl":
         out = run_dir.with_suffix(".jsonl")
-        run_trl(ctx, python, model, out, run_s, seed, eval_every_s)
+        run_trl(ctx, python, model, out, run_s, seed, eval_every_s, LEARNING_RATE[size])
         return measure_trl(out)
     # The trainer saves its weights every eval_every_s; they are evaluated after the run.
-    launch_run(
-        ctx, system, model, run_dir, run_s, seed, extra=SAME_OBJECTIVE_AS_TRL, snapshot_every_s=eval_every_s
-    )
+    extra = (*SAME_OBJECTIVE_AS_TRL, f"trainer.learning_rate={LEARNING_RATE[size]}")
+    launch_run(ctx, system, model, run_dir, run_s, seed, extra=extra, snapshot_every_s=eval_every_s)
     evaluate_run(run_dir)
     return measure_run(run_dir)
 
@@ -278,7 +289,7 @@ def _publish_size(
         f"TRL {TRL_VERSION} `GRPOTrainer` (its own venv, one process, every core) vs `mode=pipeline` and "
         f"`mode=sync` of `pipeline-rl launch` with the demo recipe, on {model_text}: same task, "
         "problems, held-out split, grader, reward table and hyperparameters (8 samples per prompt, 128 per "
-        "step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens; pipeline_rl/bench/vs_trl.py "
+        f"step, lr {LEARNING_RATE[size]:g} constant, AdamW, no KL, temperature 1, 12 new tokens; pipeline_rl/bench/vs_trl.py "
         f"says what differs). {seeds_text(ctx, seeds)} per system, the systems alternating; medians (min-max) of the "
         "seconds until greedy held-out accuracy on 100 problems, evaluated every "
         f"{eval_every_s} s, first reaches each level, both sides by the same evaluator "
