@@ -1,8 +1,9 @@
 """Benchmark 9, `pipeline-rl bench vs-trl`: TRL's GRPOTrainer vs our pipelined and sync runs, same box.
 
-    pipeline-rl bench vs-trl                              # demo model, 3 seeds, 200 s runs; then 25M, 100M
+    pipeline-rl bench vs-trl                              # demo model, 3 seeds, 200 s runs (~45 min)
     pipeline-rl bench vs-trl --sizes demo --seeds 3 --run-s 150
-    pipeline-rl bench vs-trl --sizes 25m --seeds 3
+    pipeline-rl bench vs-trl --sizes 25m --seeds 3        # 400 s runs (~9 min a run with its grading)
+    pipeline-rl bench vs-trl --sizes 100m --seeds 1       # 900 s runs (~21 min a run)
     pipeline-rl bench vs-trl --quick                      # tiny untrained model, 1 seed, 20 s runs (smoke test)
 
 TRL runs in a venv of its own, artifacts/trl-venv, which this benchmark creates on first use (torch from
@@ -26,9 +27,9 @@ that model grown 5x and 10x wide (24.7M and 98.5M parameters, pipeline_rl/tiny_m
 the same function plus 1% noise, so every size starts warm; a warm-up at those sizes would take hours
 here). At every size: times to 50/80/90% held-out accuracy and samples/s, seeds 0..N-1, the systems
 rotating which goes first. Evaluations: one evaluator for both sides, greedy HF `generate` of the
-same 100 test problems (pipeline_rl/bench/greedy_eval.py). TRL's run calls it every EVAL_EVERY_S
-seconds between steps with its clock paused; our trainer saves its weights every EVAL_EVERY_S seconds
-(`trainer.snapshot_every_s`, the save on our clock) and they are evaluated after the run, each at the
+same 100 test problems (pipeline_rl/bench/greedy_eval.py). TRL's run calls it every EVAL_EVERY[size]
+seconds (3 at the demo size, 15 at 25M, 40 at 100M) between steps with its clock paused; our trainer
+saves its weights as often (`trainer.snapshot_every_s`, the save on our clock) and they are evaluated after the run, each at the
 time it was saved. So neither clock carries the evaluations (a live evaluation would share our
 servers' and trainer's cores). Clocks: ours wall time from the run's first stats row, TRL's training
 time.
@@ -226,7 +227,8 @@ def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, s
 
 def run(ctx: BenchContext) -> dict:
     python = ensure_trl_venv(ctx.log)
-    sizes = ["demo"] if ctx.quick else (ctx.options.get("sizes") or ["demo", "25m", "100m"])
+    # The grown sizes are opt-in (--sizes): 3 seeds of every system at 25M and 100M take hours.
+    sizes = ["demo"] if ctx.quick else (ctx.options.get("sizes") or ["demo"])
     unknown = [s for s in sizes if s not in GROW_FACTOR]
     if unknown:
         raise ValueError(f"vs-trl --sizes: {unknown} not among {', '.join(GROW_FACTOR)}")
@@ -274,8 +276,8 @@ def _publish_size(
     theirs = median_time_to_target(by_system["trl"])
     model_text = {
         "demo": "the warmed-up demo model",
-        "25m": "the demo model grown 5x wide (24.7M parameters)",
-        "100m": "the demo model grown 10x wide (98.5M parameters)",
+        "25m": "the demo model grown 5x wide, 24.7M parameters",
+        "100m": "the demo model grown 10x wide, 98.5M parameters",
     }[size]
     name = f"ahead of TRL in time to {TARGET:.0%} held-out accuracy ({model_text})"
     if ours is not None and theirs is not None:
