@@ -148,7 +148,7 @@ def grow_model(
     query head h' is old head h' mod heads and still reads its old key/value head (groups tile the same
     way). The LM head, tied to the embedding, sums the copies, so the final norm's weight is divided by
     `factor`. Then each weight gets Gaussian noise of `noise` times its own standard deviation, so the
-    copies differ and train as separate units, not as one model `factor` times over.
+    copies are not exactly equal and can drift apart (with 1% they mostly move together). Saved as float32.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -172,7 +172,11 @@ def grow_model(
             new = weight.repeat(factor)
             if name == "model.norm.weight" and config.get("tie_word_embeddings"):
                 new = new / factor
-        elif name == "model.embed_tokens.weight" or (name == "lm_head.weight" and weight.shape[0] == vocab):
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if weight.shape[0] != vocab:
+                raise ValueError(
+                    f"{src}: {name} has {weight.shape[0]} rows, the config's vocab_size is {vocab}"
+                )
             # [vocab, hidden]: rows are tokens; the embedding writes copies, an untied head sums them.
             new = weight.repeat(1, factor)
             if name == "lm_head.weight":
@@ -184,6 +188,7 @@ def grow_model(
         grown[name] = new.contiguous()
     # head_dim stays; an older config leaves it implicit (hidden / heads), which tiling would keep anyway.
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    config["dtype"] = "float32"  # what save_file below writes
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
         config[key] *= factor
     out.mkdir(parents=True, exist_ok=True)

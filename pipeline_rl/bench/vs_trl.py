@@ -10,7 +10,7 @@ TRL runs in a venv of its own, artifacts/trl-venv, which this benchmark creates 
 the machine's local CPU wheel first, then TRL_VERSION; the project's .venv is never touched) and
 reuses while its stamp matches. The TRL side is pipeline_rl/bench/trl_grpo.py: the same model, task,
 problems, held-out split, grader and reward table, and the demo's hyperparameters (8 samples per
-prompt, 128 per optimizer step, lr 1e-4 constant, AdamW, no KL, temperature 1, 12 new tokens); TRL's
+prompt, 128 per optimizer step, lr 1e-4 constant (divided by the growth factor at 25m/100m), AdamW, no KL, temperature 1, 12 new tokens); TRL's
 defaults for the rest. Ours are `pipeline-rl launch` runs of the demo recipe
 (pipeline_rl/bench/pipeline_vs_sync.py's launch_run), so they include what the demo includes (max_lag 2)
 except dynamic sampling (below). Ours by default (SYSTEMS; --systems takes any of
@@ -87,9 +87,10 @@ def _ours(systems) -> list[str]:
 GROW_FACTOR = {"demo": 1, "25m": 5, "100m": 10}
 # The demo's lr 1e-4 divided by the growth factor: AdamW moves each of a grown weight's K copies by about
 # lr a step, so the function would move ~K times as far per step as the demo model's; at lr 1e-4 the 25M
-# model's held-out accuracy jumped around 20-40% for 400 s (docs/decisions.md). Same for every system.
+# model's held-out accuracy jumped between 14% and 42% for 400 s (docs/decisions.md). Same for every system.
 LEARNING_RATE = {size: 1e-4 / factor for size, factor in GROW_FACTOR.items()}
-# Default seconds per run: about twice the slowest system's time to 90% at that size.
+# Default seconds per run: 1.5-2x the slowest system's time to 90% at that size (TRL: 219 s at 25m, 582 s
+# at 100m, docs/benchmarks.md 9b/9c).
 RUN_S = {"demo": 200, "25m": 400, "100m": 900, "quick": 20}
 # Seconds between evaluations (weight snapshots on our side): every snapshot of a larger model is a
 # save on our clock and a greedy evaluation after the run, so they are sparser where steps are slower.

@@ -48,6 +48,16 @@ def test_a_grown_model_without_noise_computes_the_same_logits(small, tmp_path):
     assert 8.5 * blocks_small < blocks_grown < 9 * blocks_small
 
 
+def test_an_untied_lm_head_is_grown_to_the_same_logits_too(tmp_path):
+    spec = TinyModelSpec(
+        hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=96, tie_word_embeddings=False
+    )
+    small = build_tiny_model(tmp_path / "untied", spec)
+    ids = torch.randint(4, 90, (2, 9), generator=torch.Generator().manual_seed(2))
+    grown = grow_model(small, tmp_path / "x2", 2, noise=0.0)
+    torch.testing.assert_close(_logits(grown, ids), _logits(small, ids), atol=1e-4, rtol=1e-4)
+
+
 def test_noise_makes_the_copies_differ_but_keeps_the_function_close(small, tmp_path):
     ids = torch.randint(4, 90, (2, 11), generator=torch.Generator().manual_seed(1))
     grown = grow_model(small, tmp_path / "x2", 2, noise=0.01, seed=5)
