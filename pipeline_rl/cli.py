@@ -70,21 +70,20 @@ def _run_tiny_model(args: argparse.Namespace) -> None:
 
     if args.grow_from:
         out = grow_model(args.grow_from, args.out, args.factor, noise=args.noise, seed=args.seed)
-        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        print(f"wrote {out} ({size / 1e6:.2f} MB of weights; {args.grow_from} grown {args.factor}x wide)")
-        return
-    spec = TinyModelSpec(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        intermediate_size=args.intermediate,
-        max_position_embeddings=args.max_positions,
-        seed=args.seed,
-    )
-    out = build_tiny_model(args.out, spec)
+        origin = f"; {args.grow_from} grown {args.factor}x wide"
+    else:
+        spec = TinyModelSpec(
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate,
+            max_position_embeddings=args.max_positions,
+            seed=args.seed,
+        )
+        out, origin = build_tiny_model(args.out, spec), ""
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    print(f"wrote {out} ({size / 1e6:.2f} MB of weights)")
+    print(f"wrote {out} ({size / 1e6:.2f} MB of weights{origin})")
 
 
 # Subcommands whose module parses its own arguments: name -> (help, "module:function(argv)").
