@@ -25,7 +25,9 @@ size, so the set of servers changes only when a group forms (the choice and its 
   rejoin:  at a step boundary, at most every trainer.rejoin_check_s, the configured servers outside the
            group are probed; one that answers leaves any stale group and the group forms again with it,
            so the push that follows gives it the current weights (a restarted server answers 503
-           awaiting_weights until then).
+           awaiting_weights until then). That push is a restore: a server that missed a resumed
+           trainer's restore push (stopped, cut off) still serves the dead trainer's newer version, and
+           an ordinary push of an older version number would be refused as stale.
   Without a member (every server down) the push waits for one to come back, up to
   inference.startup_timeout_s, then raises. With ejection off, a failed push raises WeightPushError on
   rank 0 (naming the servers) and RankFailure on the others: the trainer stops, loudly.
@@ -71,6 +73,7 @@ class WeightPublisher:
         self.ejected_total = 0  # servers taken out of the group after a failed push or join
         self.rejoined_total = 0  # servers (re)admitted after that
         self.rebuild_seconds = 0.0  # time spent re-forming the group (the cost of a membership change)
+        self.restore_after_rebuild = False  # a re-formed group's first push may go back in versions
         self._next_rejoin_check = 0.0
 
     @property
@@ -152,6 +155,7 @@ class WeightPublisher:
 
         self._follow_fleet()
         self._admit_returning()
+        restore = restore or self.restore_after_rebuild
         try:
             report = self.sender.push(version, metas, fetch, restore=restore)
         except WeightPushError as e:
@@ -160,6 +164,7 @@ class WeightPublisher:
             self._eject(e, f"pushing version {version}")
             # The members get the same version again; some may hold it already.
             report = self.sender.push(version, metas, fetch, restore=True)
+        self.restore_after_rebuild = False
         log.info(
             "pushed version %d%s: %.1f MB in %d bucket(s), %.3fs (max server pause %.3fs)",
             version,
@@ -288,6 +293,8 @@ class WeightPublisher:
         assert self.sender is not None
         started = time.perf_counter()
         self.sender.reconnect(members)
+        # A member may come back from before a trainer restart, serving a version newer than ours.
+        self.restore_after_rebuild = True
         took = time.perf_counter() - started
         self.rebuild_seconds += took
         log.info("weight group formed again with %s in %.2fs", members, took)

@@ -613,6 +613,69 @@ def test_an_unreachable_server_stops_the_trainer_at_connect_with_its_url(tiny_mo
         assert time.monotonic() - start < 30
 
 
+def test_a_server_that_missed_the_resumed_trainers_restore_push_rejoins_with_its_weights(
+    tiny_model, tmp_path
+):
+    """A trainer pushes version 12 and dies; its successor resumes from an older checkpoint (version 8)
+    while one server is SIGSTOPped, so only the other gets the restore push. The stopped server comes back
+    still serving version 12: at the next push it rejoins and must take version 9 (a restore), not refuse
+    it as stale and stop the trainer. Real servers (the torch engine: same contract, quick to start)."""
+    import signal
+
+    from _servers import start_server, stop_process_tree, wait_healthy
+
+    from inference_shim.client import ShimClient
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+    from pipeline_rl.trainer.weights import WeightPublisher
+
+    started = [start_server(tiny_model, tmp_path / f"server{i}.log", backend="torch") for i in range(2)]
+    try:
+        for i, (url, proc) in enumerate(started):
+            wait_healthy(url, 300, proc, tmp_path / f"server{i}.log")
+        urls = [url for url, _ in started]
+        cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model, push_timeout_s=10, rejoin_check_s=0.1)
+        cfg.inference.urls = urls
+        comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+
+        def served() -> list[int]:
+            versions = []
+            for url in urls:
+                client = ShimClient(url, timeout_s=10)
+                try:
+                    versions.append(client.debug_state().weight_version)
+                finally:
+                    client.close()
+            return versions
+
+        dead_trainer = WeightPublisher(cfg, DDPStrategy(cfg, comm, tiny_model), comm)
+        dead_trainer.connect()
+        dead_trainer.push(12)
+        dead_trainer.close()
+        assert served() == [12, 12]
+
+        stopped = started[1][1]
+        os.killpg(stopped.pid, signal.SIGSTOP)
+        try:
+            resumed = WeightPublisher(cfg, DDPStrategy(cfg, comm, tiny_model), comm)
+            resumed.connect()  # the stopped server cannot answer: the group forms without it
+            assert resumed.members == urls[:1]
+            resumed.push(8, restore=True)
+        finally:
+            os.killpg(stopped.pid, signal.SIGCONT)
+        assert served() == [8, 12]
+        try:
+            resumed.push(9)  # the returning server is admitted first, then gets version 9
+            assert resumed.members == urls and resumed.rejoined_total == 1
+            assert served() == [9, 9]
+            resumed.push(10)  # and ordinary pushes refuse stale versions again
+            assert served() == [10, 10] and not resumed.restore_after_rebuild
+        finally:
+            resumed.close()
+    finally:
+        for _, proc in started:
+            stop_process_tree(proc)
+
+
 def test_kl_to_the_frozen_initial_policy_starts_at_zero_and_grows(tiny_model, tmp_path):
     from pipeline_rl.trainer.loop import _reference_model
     from pipeline_rl.trainer.strategies.ddp import DDPStrategy
