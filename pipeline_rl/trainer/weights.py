@@ -25,9 +25,10 @@ size, so the set of servers changes only when a group forms (the choice and its 
   rejoin:  at a step boundary, at most every trainer.rejoin_check_s, the configured servers outside the
            group are probed; one that answers leaves any stale group and the group forms again with it,
            so the push that follows gives it the current weights (a restarted server answers 503
-           awaiting_weights until then). That push is a restore: a server that missed a resumed
-           trainer's restore push (stopped, cut off) still serves the dead trainer's newer version, and
-           an ordinary push of an older version number would be refused as stale.
+           awaiting_weights until then).
+  The first push after any re-formation (rejoin, eject, fleet change) is a restore: a returning server
+  that missed a resumed trainer's restore push (stopped, cut off) still serves the dead trainer's newer
+  version, and an ordinary push of an older version number would be refused as stale.
   Without a member (every server down) the push waits for one to come back, up to
   inference.startup_timeout_s, then raises. With ejection off, a failed push raises WeightPushError on
   rank 0 (naming the servers) and RankFailure on the others: the trainer stops, loudly.
@@ -113,6 +114,9 @@ class WeightPublisher:
             if not t.eject_failed_servers:
                 raise
             self._eject(e, "joining", joining=True)
+        # The push after connect says itself whether it restores (a resume does); an ejection while
+        # joining must not decide that by chance.
+        self.restore_after_rebuild = False
         log.info("weight group joined with %d server(s): %s", len(self.members), self.members)
 
     def push(self, version: int, *, restore: bool = False) -> PushReport | None:

@@ -1,6 +1,7 @@
 """Trainer units that run in this process: packed forwards, gradient accumulation with global counts,
-the partition feed's agreement and checkpoint state (real Redis), checkpoints, the launch command, and
-the capture server (tests/integration/_capture.py) against the real WeightSender. Also the helpers the
+the partition feed's agreement and checkpoint state (real Redis), checkpoints, the launch command, the
+capture server (tests/integration/_capture.py) against the real WeightSender, and the weight group's
+membership against real servers (SIGSTOP; the torch engine). Also the helpers the
 slow trainer tests share (tests/test_trainer_dist.py, test_trainer_resume.py, test_trainer_e2e.py import
 them from here).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -613,29 +615,34 @@ def test_an_unreachable_server_stops_the_trainer_at_connect_with_its_url(tiny_mo
         assert time.monotonic() - start < 30
 
 
-def test_a_server_that_missed_the_resumed_trainers_restore_push_rejoins_with_its_weights(
-    tiny_model, tmp_path
-):
+def test_a_server_that_missed_a_resumed_trainers_restore_push_rejoins(tiny_model, tmp_path):
     """A trainer pushes version 12 and dies; its successor resumes from an older checkpoint (version 8)
     while one server is SIGSTOPped, so only the other gets the restore push. The stopped server comes back
-    still serving version 12: at the next push it rejoins and must take version 9 (a restore), not refuse
-    it as stale and stop the trainer. Real servers (the torch engine: same contract, quick to start)."""
-    import signal
-
-    from _servers import start_server, stop_process_tree, wait_healthy
+    still serving version 12: at the next push it rejoins and must take version 9 (the first push to a
+    re-formed group is a restore), not refuse it as stale and stop the trainer. Real servers (the torch
+    engine: the same contract, quick to start); versions are what is checked, the weights are the same."""
+    from _servers import SERVER_START_S, start_server, stop_process_tree, wait_healthy
 
     from inference_shim.client import ShimClient
+    from inference_shim.procs import signal_group
+    from inference_shim.weight_sender import WeightPushError
     from pipeline_rl.trainer.strategies.ddp import DDPStrategy
     from pipeline_rl.trainer.weights import WeightPublisher
 
     started = [start_server(tiny_model, tmp_path / f"server{i}.log", backend="torch") for i in range(2)]
+    publishers: list[WeightPublisher] = []
     try:
         for i, (url, proc) in enumerate(started):
-            wait_healthy(url, 300, proc, tmp_path / f"server{i}.log")
+            wait_healthy(url, SERVER_START_S, proc, tmp_path / f"server{i}.log")
         urls = [url for url, _ in started]
-        cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model, push_timeout_s=10, rejoin_check_s=0.1)
+        # push_timeout_s also bounds how long connect waits on the stopped server
+        cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model, push_timeout_s=3, rejoin_check_s=0.1)
         cfg.inference.urls = urls
         comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+
+        def publisher() -> WeightPublisher:
+            publishers.append(WeightPublisher(cfg, DDPStrategy(cfg, comm, tiny_model), comm))
+            return publishers[-1]
 
         def served() -> list[int]:
             versions = []
@@ -647,31 +654,33 @@ def test_a_server_that_missed_the_resumed_trainers_restore_push_rejoins_with_its
                     client.close()
             return versions
 
-        dead_trainer = WeightPublisher(cfg, DDPStrategy(cfg, comm, tiny_model), comm)
+        dead_trainer = publisher()
         dead_trainer.connect()
         dead_trainer.push(12)
         dead_trainer.close()
         assert served() == [12, 12]
 
         stopped = started[1][1]
-        os.killpg(stopped.pid, signal.SIGSTOP)
+        signal_group(stopped, signal.SIGSTOP)
         try:
-            resumed = WeightPublisher(cfg, DDPStrategy(cfg, comm, tiny_model), comm)
+            resumed = publisher()
             resumed.connect()  # the stopped server cannot answer: the group forms without it
             assert resumed.members == urls[:1]
             resumed.push(8, restore=True)
         finally:
-            os.killpg(stopped.pid, signal.SIGCONT)
+            signal_group(stopped, signal.SIGCONT)
         assert served() == [8, 12]
-        try:
-            resumed.push(9)  # the returning server is admitted first, then gets version 9
-            assert resumed.members == urls and resumed.rejoined_total == 1
-            assert served() == [9, 9]
-            resumed.push(10)  # and ordinary pushes refuse stale versions again
-            assert served() == [10, 10] and not resumed.restore_after_rebuild
-        finally:
-            resumed.close()
+        resumed._next_rejoin_check = 0.0  # the next push looks for returning servers
+        resumed.push(9)  # the returning server is admitted first, then gets version 9
+        assert resumed.members == urls and resumed.rejoined_total == 1
+        assert served() == [9, 9]
+        resumed.push(10)
+        with pytest.raises(WeightPushError, match="stale_version"):  # ordinary pushes check again
+            resumed.push(10)
+        assert served() == [10, 10]
     finally:
+        for p in publishers:
+            p.close()
         for _, proc in started:
             stop_process_tree(proc)
 
