@@ -623,9 +623,9 @@ def test_a_server_that_missed_a_resumed_trainers_restore_push_rejoins(tiny_model
     engine: the same contract, quick to start); versions are what is checked, the weights are the same."""
     from _servers import SERVER_START_S, start_server, stop_process_tree, wait_healthy
 
-    from inference_shim.client import ShimClient
     from inference_shim.procs import signal_group
     from inference_shim.weight_sender import WeightPushError
+    from pipeline_rl.bench.servers import served_version
     from pipeline_rl.trainer.strategies.ddp import DDPStrategy
     from pipeline_rl.trainer.weights import WeightPublisher
 
@@ -645,14 +645,7 @@ def test_a_server_that_missed_a_resumed_trainers_restore_push_rejoins(tiny_model
             return publishers[-1]
 
         def served() -> list[int]:
-            versions = []
-            for url in urls:
-                client = ShimClient(url, timeout_s=10)
-                try:
-                    versions.append(client.debug_state().weight_version)
-                finally:
-                    client.close()
-            return versions
+            return [served_version([url]) for url in urls]
 
         dead_trainer = publisher()
         dead_trainer.connect()
