@@ -74,7 +74,7 @@ class WeightPublisher:
         self.ejected_total = 0  # servers taken out of the group after a failed push or join
         self.rejoined_total = 0  # servers (re)admitted after that
         self.rebuild_seconds = 0.0  # time spent re-forming the group (the cost of a membership change)
-        self.restore_after_rebuild = False  # a re-formed group's first push may go back in versions
+        self._restore_after_rebuild = False  # a re-formed group's first push may go back in versions
         self._next_rejoin_check = 0.0
 
     @property
@@ -116,7 +116,7 @@ class WeightPublisher:
             self._eject(e, "joining", joining=True)
         # The push after connect says itself whether it restores (a resume does); an ejection while
         # joining must not decide that by chance.
-        self.restore_after_rebuild = False
+        self._restore_after_rebuild = False
         log.info("weight group joined with %d server(s): %s", len(self.members), self.members)
 
     def push(self, version: int, *, restore: bool = False) -> PushReport | None:
@@ -159,7 +159,7 @@ class WeightPublisher:
 
         self._follow_fleet()
         self._admit_returning()
-        restore = restore or self.restore_after_rebuild
+        restore = restore or self._restore_after_rebuild
         try:
             report = self.sender.push(version, metas, fetch, restore=restore)
         except WeightPushError as e:
@@ -168,7 +168,7 @@ class WeightPublisher:
             self._eject(e, f"pushing version {version}")
             # The members get the same version again; some may hold it already.
             report = self.sender.push(version, metas, fetch, restore=True)
-        self.restore_after_rebuild = False
+        self._restore_after_rebuild = False
         log.info(
             "pushed version %d%s: %.1f MB in %d bucket(s), %.3fs (max server pause %.3fs)",
             version,
@@ -298,7 +298,7 @@ class WeightPublisher:
         started = time.perf_counter()
         self.sender.reconnect(members)
         # A member may come back from before a trainer restart, serving a version newer than ours.
-        self.restore_after_rebuild = True
+        self._restore_after_rebuild = True
         took = time.perf_counter() - started
         self.rebuild_seconds += took
         log.info("weight group formed again with %s in %.2fs", members, took)
