@@ -166,8 +166,8 @@ class WeightPublisher:
             if not self.cfg.trainer.eject_failed_servers:
                 raise
             self._eject(e, f"pushing version {version}")
-            # The members get the same version again; some may hold it already.
-            report = self.sender.push(version, metas, fetch, restore=True)
+            restore = True  # the members get the same version again; some may hold it already
+            report = self.sender.push(version, metas, fetch, restore=restore)
         self._restore_after_rebuild = False
         log.info(
             "pushed version %d%s: %.1f MB in %d bucket(s), %.3fs (max server pause %.3fs)",
