@@ -200,6 +200,29 @@ def test_switching_engine_changes_only_the_backend():
     assert vllm == sglang
 
 
+def test_every_task_file_is_a_valid_choice():
+    """Each conf/task/ file composes into a validated RunConfig for the task it is named after, so
+    `task=name` never fails at a user's launch for a file the repo ships (one naming an unknown task did)."""
+    from pipeline_rl.launch.compose import compose, group_options
+
+    options = group_options("task")
+    assert {"arith", "remainder", "calc"} <= set(options), options
+    for option in options:
+        assert compose([f"task={option}"]).task.name == option, f"conf/task/{option}.yaml"
+
+
+def test_the_long_task_groups_match_their_demo_recipes():
+    """`task=calc` / `task=remainder` give the task and lengths `pipeline-rl demo --recipe ...` trains with."""
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.demo import RECIPES
+
+    for name in ("calc", "remainder"):
+        group, recipe = compose([f"task={name}"]), compose(RECIPES[name].overrides)
+        assert group.task == recipe.task, name
+        lengths = lambda c: (c.actor.max_tokens, c.inference.max_model_len, c.eval.max_tokens)  # noqa: E731
+        assert lengths(group) == lengths(recipe), name
+
+
 def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
     from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.plan import resolve
