@@ -66,8 +66,11 @@ VARIANTS = {
     # The trainer's forward passes under bf16 autocast (TRL's GRPOTrainer default); the engine stays float32.
     "pipeline-bf16": ("mode=pipeline", "trainer.mixed_precision=bf16"),
     "sync-colocated-bf16": ("mode=sync", "placement.colocate=true", "trainer.mixed_precision=bf16"),
-    # Each group's prompt computed once in the trainer (trainer.micro_batch_layout=shared_prefix).
+    # Each group's prompt computed once in the trainer (trainer.micro_batch_layout=shared_prefix; the
+    # demo recipe's own layout since 2026-11-26, so on `arith` this is "pipeline"), and one row per sample
+    # (what `make demo` ran before that).
     "pipeline-sp": ("mode=pipeline", "trainer.micro_batch_layout=shared_prefix"),
+    "pipeline-padded": ("mode=pipeline", "trainer.micro_batch_layout=padded"),
     "pipeline-sp-bf16": (
         "mode=pipeline",
         "trainer.micro_batch_layout=shared_prefix",

@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--systems",
         default=None,
         help="vs-trl: trl and our launch variants to compare (pipeline_vs_sync.VARIANTS), "
-        "default pipeline,pipeline-sp,sync-colocated-sp-bf16,trl",
+        "default pipeline,sync-colocated-sp-bf16,trl",
     )
     g.add_argument(
         "--lags", default=None, help="lag: the actor.max_lag values to run, e.g. 0,2,8 (default 0,1,2,4,8)"

@@ -14,9 +14,10 @@ prompt, 128 per optimizer step, lr 1e-4 constant (divided by the growth factor a
 defaults for the rest. Ours are `pipeline-rl launch` runs of the demo recipe
 (pipeline_rl/bench/pipeline_vs_sync.py's launch_run), so they include what the demo includes (max_lag 2)
 except dynamic sampling (below). Ours by default (SYSTEMS; --systems takes any of
-pipeline_vs_sync.VARIANTS): pipelined on vLLM-CPU as `make demo` runs it, the same with each group's
-prompt computed once in the trainer (`-sp`: `trainer.micro_batch_layout=shared_prefix`), and sync
-with each phase on every core, shared prefix and bf16 autocast (TRL's default precision).
+pipeline_vs_sync.VARIANTS): pipelined on vLLM-CPU as `make demo` runs it (each group's prompt computed
+once in the trainer, `trainer.micro_batch_layout=shared_prefix`; `pipeline-padded` is one row per sample,
+what the demo ran before 2026-11-26), and sync with each phase on every core, shared prefix and bf16
+autocast (TRL's default precision).
 
 Our runs train every group, as TRL's GRPOTrainer does (`preprocess.drop_all_equal_groups=false`: an
 all-equal group has zero advantage there; the demo recipe's DAPO dynamic sampling, which drops them and
@@ -76,7 +77,7 @@ TRL_VENV = ARTIFACTS / "trl-venv"
 TARGET = 0.9
 # Ours as the launcher runs them (pipeline_vs_sync.VARIANTS), and TRL. Plain `mode=sync` on split cores
 # is in pipeline-vs-sync; here the faster sync (each phase on every core) stands for sync.
-SYSTEMS = ("pipeline", "pipeline-sp", "sync-colocated-sp-bf16", "trl")
+SYSTEMS = ("pipeline", "sync-colocated-sp-bf16", "trl")
 
 
 def _ours(systems) -> list[str]:
