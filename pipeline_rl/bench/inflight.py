@@ -8,7 +8,8 @@ into it, against the same load with no updates, in interleaved windows of one ru
 Load: 32 closed-loop streaming chat requests (64 tokens, ignore_eos) run through the whole benchmark.
 Windows rotate between the modes: `none` (no updates), `every K s` for each K of --update-every-s
 (default 1 and 3: a push every K seconds, a trainer that takes K s per optimizer step; the demo's trainer
-took ~2.8 s per step on this machine before F8, ~1.9 s since: between the two defaults) and
+took ~2.8 s per step on this machine before F8, ~1.9-2.0 s since, most of it waiting for data: between
+the two defaults) and
 `back-to-back` (the next push starts when the last one ends, the worst case). The goal is judged at the demo's cadence, DEMO_STEP_S; every cadence is reported. Pushes come from a separate process (pipeline_rl/bench/pusher.py). Between windows a short settle gap
 is not counted, so the re-prefill after a window's last update never lands in the next window.
 """
@@ -39,7 +40,7 @@ from pipeline_rl.bench.servers import ServerSpec
 CONCURRENCY = 32
 MAX_TOKENS = 64
 SETTLE_S = 1.0
-# The demo trainer's step when the goal was set (~2.8 s before F8; ~1.9 s since), rounded up.
+# The demo trainer's step when the goal was set (~2.8 s before F8; ~1.9-2.0 s since), rounded up.
 DEMO_STEP_S = 3.0
 
 

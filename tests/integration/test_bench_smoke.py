@@ -242,6 +242,30 @@ def _offline_context(tmp_path: Path, command: str):
     )
 
 
+def test_bench_runs_get_the_recipes_layout_unless_the_variant_or_the_user_names_one(tmp_path: Path) -> None:
+    """The demo recipe computes each group's prompt once and the long-answer one does not; the bare modes
+    inherit that, every other variant keeps the layout it was measured with, and `bench --override` wins."""
+    from pipeline_rl.bench.pipeline_vs_sync import launch_command
+    from pipeline_rl.launch.compose import compose
+
+    def layout(mode: str, recipe: str = "arith", overrides: list[str] | None = None) -> str:
+        ctx = _offline_context(tmp_path, "test")
+        if overrides:
+            ctx.options["overrides"] = overrides
+        cmd = launch_command(ctx, mode, tmp_path / "model", tmp_path / "run", 60, seed=0, recipe=recipe)
+        assert cmd[3] == "launch", cmd
+        return compose(cmd[4:]).trainer.micro_batch_layout
+
+    assert layout("pipeline") == "shared_prefix"
+    assert layout("sync-colocated") == "shared_prefix"
+    assert layout("pipeline", recipe="remainder") == "padded"
+    assert layout("pipeline-padded") == "padded"
+    assert layout("pipeline-bf16") == "padded"
+    assert layout("pipeline-sp", recipe="remainder") == "shared_prefix"
+    assert layout("pipeline", overrides=["trainer.micro_batch_layout=padded"]) == "padded"
+    assert layout("pipeline-sp", overrides=["trainer.micro_batch_layout=packed"]) == "packed"
+
+
 def test_lag_study_publishes_seconds_and_samples_per_setting(tmp_path: Path) -> None:
     from pipeline_rl.bench.lag import publish_lag
 
