@@ -5,7 +5,7 @@
     pipeline-rl bench lag --kv-after-update recompute --seeds 3   # one KV policy, three seeds
     pipeline-rl bench lag --quick                  # tiny untrained model, lags 0 and 2, recompute, 30 s (smoke test)
 
-Every run is a pipelined `pipeline-rl launch` of the demo recipe (pipeline_vs_sync.launch_run) with
+Every run is a pipelined `pipeline-rl launch` of the demo recipe (pipeline_vs_sync.launch_command) with
 `actor.max_lag=L` and `inference.kv_after_update=K`; only those two change. The buffer is raised to
 what the lag allows (`actor.max_buffered_groups` = groups per step x (L+1), at least the recipe's), so
 the lag, not the buffer, is what binds. max_lag 0 is pipelined in name only: the actor may not start a
@@ -37,6 +37,7 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     TARGET,
     THRESHOLDS,
     evaluate_run,
+    launch_command,
     launch_run,
     measure_run,
     median_of,
@@ -96,7 +97,8 @@ def run(ctx: BenchContext) -> dict:
         extra = lag_overrides(RECIPES[recipe].overrides, lag, kv)
         if ctx.quick:  # an untrained model's groups are all-equal: keep them, so steps happen
             extra += ("preprocess.drop_all_equal_groups=false",)
-        launch_run(ctx, "pipeline", model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
+        cmd = launch_command(ctx, "pipeline", model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
+        launch_run(ctx, "pipeline", run_dir, wall_s, cmd)
         evaluate_run(run_dir)
         return measure_run(run_dir)
 

@@ -93,20 +93,8 @@ def servers_needed(ctx: BenchContext) -> list:
     return []  # every run starts its own servers through the launcher
 
 
-def launch_run(
-    ctx: BenchContext,
-    mode: str,
-    model: Path,
-    run_dir: Path,
-    wall_s: int,
-    seed: int,
-    extra: tuple[str, ...] = (),
-    recipe: str = "arith",
-    snapshot_every_s: float = EVAL_EVERY_S,
-) -> None:
-    """One `pipeline-rl launch` of a demo recipe (pipeline_rl/launch/demo.py RECIPES) in `mode`, seeded
-    (launch_command); the run's log next to its run_dir."""
-    cmd = launch_command(ctx, mode, model, run_dir, wall_s, seed, extra, recipe, snapshot_every_s)
+def launch_run(ctx: BenchContext, mode: str, run_dir: Path, wall_s: int, cmd: list[str]) -> None:
+    """Run one bench run's launch command (launch_command) to its end, its log next to its run_dir."""
     ctx.log(f"{mode}: {' '.join(cmd[3:])}")
     log_path = run_dir.parent / f"{run_dir.name}.log"
     code = run_to_end(cmd, log_path, timeout_s=wall_s + 600)
@@ -356,7 +344,8 @@ def run(ctx: BenchContext) -> dict:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         # An untrained (--quick) model's groups are all-equal: keep them, so steps and snapshots happen.
         extra = ("preprocess.drop_all_equal_groups=false",) if ctx.quick else ()
-        launch_run(ctx, mode, model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
+        cmd = launch_command(ctx, mode, model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
+        launch_run(ctx, mode, run_dir, wall_s, cmd)
         evaluate_run(run_dir)
         return measure_run(run_dir, LEVELS[recipe])
 

