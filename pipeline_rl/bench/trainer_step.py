@@ -6,7 +6,7 @@
 
 The trainer's own `train_step` (pipeline_rl/trainer/step.py) on one rank, DDP strategy, the demo's
 model (pipeline_rl/launch/demo.py DEMO_MODEL) and the preprocessor's real packing
-(`preprocess.seq_length` 4096, the default), with its phases (collate, forward, backward, optimizer)
+(`preprocess.seq_length` as conf/base.yaml sets it for every launch), with its phases (collate, forward, backward, optimizer)
 as the step records them in trainer_metrics.jsonl. Variants, interleaved per repeat:
 
 - `padded` / `packed`: `trainer.micro_batch_layout` (how the model sees a packed micro-batch);
@@ -137,7 +137,7 @@ def _plain_step(model, optimizer, package) -> float:
 def run(ctx: BenchContext) -> dict:
     import torch
 
-    from pipeline_rl.config import RunConfig
+    from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.demo import DEMO_MODEL
     from pipeline_rl.tiny_model import build_tiny_model
     from pipeline_rl.trainer.dist import Comm
@@ -156,7 +156,10 @@ def run(ctx: BenchContext) -> dict:
     phases: dict[tuple[str, str], dict[str, list[float]]] = {}
     packages, configs = {}, {}
     for name, shape in shapes.items():
-        cfg = RunConfig(model_path=str(model_dir), trainer={"batch_size": shape[0], "learning_rate": 1e-4})
+        # The launcher's own configuration (conf/base.yaml), so the packing is what a launch packs.
+        cfg = compose(
+            [f"model_path={model_dir}", f"trainer.batch_size={shape[0]}", "trainer.learning_rate=1e-4"]
+        )
         configs[name] = cfg
         packages[name] = _package(cfg, _groups(shape, vocab, seed=1))
     strategies = {}
@@ -253,7 +256,8 @@ def run(ctx: BenchContext) -> dict:
     ]
     intro = (
         f"Medians of {ctx.repeats} interleaved repeats, one process, {ctx.trainer_threads()} torch thread(s), "
-        "the demo's model (~1M parameters, 4 layers, character vocabulary), `preprocess.seq_length` 4096. "
+        "the demo's model (~1M parameters, 4 layers, character vocabulary), `preprocess.seq_length` "
+        f"{configs['demo'].preprocess.seq_length} (conf/base.yaml, as every launch). "
         "`step s` is `train_step` end to end (collate, forward, backward, the metrics, the optimizer "
         "step); the phase columns are what the step records in `trainer_metrics.jsonl`. `plain loop`: "
         "the same samples as one padded batch through the bare model with a token-sum loss and AdamW: the "
