@@ -11,8 +11,9 @@ as the step records them in trainer_metrics.jsonl. Variants, interleaved per rep
 
 - `padded` / `packed`: `trainer.micro_batch_layout` (how the model sees a packed micro-batch);
 - `padded bf16`: padded with `trainer.mixed_precision=bf16` (forward under bf16 autocast);
-- `shared_prefix` (and with bf16): one row per group of samples with the same prompt, the prompt
-  computed once (`trainer.micro_batch_layout=shared_prefix`);
+- `shared_prefix` (and with bf16): one row per group of samples with the same prompt in a micro-batch,
+  the prompt computed once per micro-batch (`trainer.micro_batch_layout=shared_prefix`; the packing
+  splits groups, docs/benchmarks.md F16);
 - `plain loop`: the ceiling: the same samples as ONE right-padded batch through the bare model, a
   token-sum policy-gradient loss, backward and an AdamW step, no micro-batching, metrics or
   distributed wrapper - what a single-process trainer such as TRL's does per step.
@@ -262,7 +263,7 @@ def run(ctx: BenchContext) -> dict:
         "step); the phase columns are what the step records in `trainer_metrics.jsonl`. `plain loop`: "
         "the same samples as one padded batch through the bare model with a token-sum loss and AdamW: the "
         "floor of any trainer that runs every sample's prompt; `shared_prefix` runs each group's prompt "
-        "once, so it does less work than that floor."
+        "once per micro-batch it is packed into (F16), so it does less work than that floor."
     )
     markdown = section(ctx, "8. trainer-step", intro, [table], goals, (), steal.percent())
     publish(ctx, "trainer-step", markdown)
