@@ -29,8 +29,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline_rl.launch.demo import RECIPES
+    from pipeline_rl.sft_warmup import greedy_texts
     from pipeline_rl.tasks import held_out_problems, make_task
-    from pipeline_rl.tasks.remainder import subtraction_lines
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a model directory (HF format)")
@@ -39,26 +39,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model)
     task = make_task(RECIPES["remainder"].task)
+    problems = held_out_problems(task, args.problems)
     kinds: Counter[str] = Counter()
-    for problem in held_out_problems(task, args.problems):
-        ids = tokenizer.apply_chat_template(
-            problem.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens, do_sample=False)
-        text = tokenizer.decode(out[0][len(ids) :], skip_special_tokens=True)
+    # The same greedy answers, and "right in any format" rule, as the warm-up's report (sft_warmup).
+    for problem, text in zip(
+        problems, greedy_texts(model, tokenizer, problems, args.max_tokens), strict=True
+    ):
         kinds[f"graded {task.grade(problem, text)}"] += 1
-        divisor, number = map(
-            int, re.match(r"Subtract (\d+) from (\d+)", problem.messages[-1]["content"]).groups()
-        )
-        numbers = re.findall(r"answer:\s*\+?(-?\d+)", text)
-        if numbers and int(numbers[-1]) == number % divisor:
+        numbers = re.findall(r"-?\d+", text)
+        if numbers and numbers[-1] == problem.answer:
             kinds["right in any format"] += 1
             continue
         got = [line for line in text.split("\n") if "=" in line]
-        kinds[f"wrong: {first_wrong_line(got, subtraction_lines(number, divisor))}"] += 1
+        want = task.solution_text(problem).split("\n")[:-1]  # the worked lines, without `answer: N`
+        kinds[f"wrong: {first_wrong_line(got, want)}"] += 1
     for kind, count in sorted(kinds.items()):
         print(f"{kind:24} {count}")
 
