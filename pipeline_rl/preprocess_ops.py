@@ -215,29 +215,45 @@ def convert_group(group: RolloutGroup, cfg: PreprocessConfig) -> ConvertedGroup:
     return out
 
 
-def pack_micro_batches(samples: Sequence[TrainingSample], seq_length: int) -> list[list[TrainingSample]]:
+def pack_micro_batches(
+    samples: Sequence[TrainingSample], seq_length: int, keep_groups: bool = False
+) -> list[list[TrainingSample]]:
     """First-fit-decreasing packing into micro-batches of at most seq_length tokens in total.
 
     Every sample lands in exactly one micro-batch, whole (the loss needs each sequence in one piece).
-    Ties keep input order, so the packing is deterministic.
+    With keep_groups, the samples of a group (same group_id) are packed as one unit when they fit in one
+    micro-batch together: the shared_prefix layout computes a prompt once per micro-batch, so a group
+    spread over several pays for its prompt in each (docs/benchmarks.md F16). A group too large for one
+    micro-batch is packed sample by sample. Ties keep input order, so the packing is deterministic.
     """
-    order = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
+    for sample in samples:
+        if len(sample.input_ids) > seq_length:
+            raise ValueError(
+                f"sample {sample.sample_id} has {len(sample.input_ids)} tokens > seq_length={seq_length}; "
+                "build samples with group_to_training_samples using the same seq_length"
+            )
+    units: list[list[TrainingSample]] = []
+    if keep_groups:
+        by_group: dict[str, list[TrainingSample]] = {}
+        for sample in samples:
+            by_group.setdefault(sample.group_id, []).append(sample)
+        for members in by_group.values():
+            fits = sum(len(s.input_ids) for s in members) <= seq_length
+            units += [members] if fits else [[s] for s in members]
+    else:
+        units = [[s] for s in samples]
+    order = sorted(units, key=lambda u: sum(len(s.input_ids) for s in u), reverse=True)
     bins: list[list[TrainingSample]] = []
     free: list[int] = []
-    for sample in order:
-        size = len(sample.input_ids)
-        if size > seq_length:
-            raise ValueError(
-                f"sample {sample.sample_id} has {size} tokens > seq_length={seq_length}; build samples with "
-                "group_to_training_samples using the same seq_length"
-            )
+    for unit in order:
+        size = sum(len(s.input_ids) for s in unit)
         for i, room in enumerate(free):
             if size <= room:
-                bins[i].append(sample)
+                bins[i] += unit
                 free[i] -= size
                 break
         else:
-            bins.append([sample])
+            bins.append(list(unit))
             free.append(seq_length - size)
     return bins
 

@@ -12,8 +12,8 @@ as the step records them in trainer_metrics.jsonl. Variants, interleaved per rep
 - `padded` / `packed`: `trainer.micro_batch_layout` (how the model sees a packed micro-batch);
 - `padded bf16`: padded with `trainer.mixed_precision=bf16` (forward under bf16 autocast);
 - `shared_prefix` (and with bf16): one row per group of samples with the same prompt in a micro-batch,
-  the prompt computed once per micro-batch (`trainer.micro_batch_layout=shared_prefix`; the packing
-  splits groups, docs/benchmarks.md F16);
+  the prompt computed once per micro-batch (`trainer.micro_batch_layout=shared_prefix`), packed as the
+  preprocessor packs for that layout: each group whole in one micro-batch (docs/benchmarks.md F16);
 - `plain loop`: the ceiling: the same samples as ONE right-padded batch through the bare model, a
   token-sum policy-gradient loss, backward and an AdamW step, no micro-batching, metrics or
   distributed wrapper - what a single-process trainer such as TRL's does per step.
@@ -90,12 +90,13 @@ def _groups(shape: tuple, vocab: int, seed: int):
     return groups
 
 
-def _package(cfg, groups):
+def _package(cfg, groups, keep_groups: bool):
     from pipeline_rl.messages import TrainingPackage
     from pipeline_rl.preprocess_ops import assign_partitions, group_to_training_samples, pack_micro_batches
 
     samples = [s for g in groups for s in group_to_training_samples(g, cfg.preprocess)]
-    [micro_batches] = assign_partitions(pack_micro_batches(samples, cfg.preprocess.seq_length), 1)
+    packed = pack_micro_batches(samples, cfg.preprocess.seq_length, keep_groups)
+    [micro_batches] = assign_partitions(packed, 1)
     return TrainingPackage(
         batch_id="bench",
         rank=0,
@@ -162,7 +163,11 @@ def run(ctx: BenchContext) -> dict:
             [f"model_path={model_dir}", f"trainer.batch_size={shape[0]}", "trainer.learning_rate=1e-4"]
         )
         configs[name] = cfg
-        packages[name] = _package(cfg, _groups(shape, vocab, seed=1))
+        groups = _groups(shape, vocab, seed=1)
+        # The preprocessor keeps groups whole for the shared_prefix layout only (preprocess.py).
+        for variant in VARIANTS:
+            keep_groups = TRAINER_VARIANTS.get(variant, ("", ""))[0] == "shared_prefix"
+            packages[(name, variant)] = _package(cfg, groups, keep_groups)
     strategies = {}
     for variant, (layout, precision) in TRAINER_VARIANTS.items():
         cfg = configs["demo"].model_copy(deep=True)
@@ -171,13 +176,13 @@ def run(ctx: BenchContext) -> dict:
         strategies[variant] = DDPStrategy(cfg, comm, model_dir)
     plain = load_hf_model(model_dir, cpu)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    for name, package in packages.items():  # one untimed step each: first-call allocations
-        _plain_step(plain, plain_optimizer, package)
+    for name in shapes:  # one untimed step each: first-call allocations
+        _plain_step(plain, plain_optimizer, packages[(name, "plain loop")])
         for variant, strategy in strategies.items():
             layout, precision = TRAINER_VARIANTS[variant]
             train_step(
                 strategy,
-                package,
+                packages[(name, variant)],
                 configs[name].algo,
                 step=1,
                 temperature=1.0,
@@ -187,8 +192,9 @@ def run(ctx: BenchContext) -> dict:
             )
     for rep in range(ctx.repeats):
         ctx.log(f"trainer-step: repeat {rep + 1}/{ctx.repeats}")
-        for name, package in packages.items():
+        for name in shapes:
             for variant in rotate(VARIANTS, rep):
+                package = packages[(name, variant)]
                 if variant == "plain loop":
                     seconds = _plain_step(plain, plain_optimizer, package)
                 else:
@@ -211,11 +217,12 @@ def run(ctx: BenchContext) -> dict:
                         )
                 times.setdefault((name, variant), []).append(seconds)
     rows, summary = [], []
-    for name, package in packages.items():
-        samples = package.batch_samples
-        tokens = sum(len(s.input_ids) for mb in package.micro_batches for s in mb)
+    for name in shapes:
         ceiling = median(times[(name, "plain loop")])
         for variant in VARIANTS:
+            package = packages[(name, variant)]
+            samples = package.batch_samples
+            tokens = sum(len(s.input_ids) for mb in package.micro_batches for s in mb)
             step_s = median(times[(name, variant)])
             got = {p: median(v) for p, v in phases.get((name, variant), {}).items()}
             summary.append({"shape": name, "variant": variant, "step_s": step_s, **got})
@@ -263,7 +270,8 @@ def run(ctx: BenchContext) -> dict:
         "step); the phase columns are what the step records in `trainer_metrics.jsonl`. `plain loop`: "
         "the same samples as one padded batch through the bare model with a token-sum loss and AdamW: the "
         "floor of any trainer that runs every sample's prompt; `shared_prefix` runs each group's prompt "
-        "once per micro-batch it is packed into (F16), so it does less work than that floor."
+        "once (the preprocessor packs each group whole into one micro-batch for that layout, F16), so it "
+        "does less work than that floor."
     )
     markdown = section(ctx, "8. trainer-step", intro, [table], goals, (), steal.percent())
     publish(ctx, "trainer-step", markdown)

@@ -215,6 +215,42 @@ def test_packing_respects_seq_length_and_keeps_every_sample_once():
         pack_micro_batches([_ts("big", 65)], seq_length=64)
 
 
+def _member(group_id: str, i: int, n: int) -> TrainingSample:
+    return _ts(f"{group_id}/{i}", n).model_copy(update={"group_id": group_id})
+
+
+def test_keep_groups_packs_each_group_whole_and_splits_only_a_group_too_large():
+    # Groups a: 3+3+3 = 9, b: 7, c: 4+4+4 = 12 (> 10: packed sample by sample).
+    samples = [_member("a", i, 3) for i in range(3)] + [_member("b", 0, 7)]
+    samples += [_member("c", i, 4) for i in range(3)]
+    bins = pack_micro_batches(samples, seq_length=10, keep_groups=True)
+    # units sorted 9 (a), 7 (b), 4, 4, 4 (c's members): a->A(1 left) b->B(3) c0->C(6) c1->C(2) c2->D(6)
+    assert [[s.sample_id for s in b] for b in bins] == [
+        ["a/0", "a/1", "a/2"],
+        ["b/0"],
+        ["c/0", "c/1"],
+        ["c/2"],
+    ]
+    # By sample length alone (7,4,4,4,3,3,3: 7->A 4->B 4->B 4->C 3->A 3->C 3->C) group a is split.
+    plain = pack_micro_batches(samples, seq_length=10)
+    assert len([b for b in plain if any(s.group_id == "a" for s in b)]) == 2
+    with pytest.raises(ValueError, match="seq_length=10"):
+        pack_micro_batches([_member("d", 0, 11)], seq_length=10, keep_groups=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keep_groups_respects_seq_length_and_keeps_every_sample_once(seed):
+    rng = random.Random(seed)
+    samples = [_member(f"g{g}", i, rng.randint(2, 60)) for g in range(40) for i in range(8)]
+    bins = pack_micro_batches(samples, seq_length=256, keep_groups=True)
+    assert all(micro_batch_tokens(b) <= 256 for b in bins)
+    assert Counter(s.sample_id for b in bins for s in b) == Counter(s.sample_id for s in samples)
+    for group in {s.group_id for s in samples}:
+        size = sum(len(s.input_ids) for s in samples if s.group_id == group)
+        holding = [b for b in bins if any(s.group_id == group for s in b)]
+        assert size > 256 or len(holding) == 1, group
+
+
 def test_partitions_balance_tokens_with_equal_micro_batch_counts():
     mbs = [[_ts(f"m{n}", n)] for n in [8, 7, 6, 5, 4, 3, 2]]
     parts = assign_partitions(mbs, num_partitions=2)
