@@ -128,8 +128,9 @@ class TrainerConfig(_Section):
         "padded",
         description="How the model sees a packed micro-batch: right-padded rows with an attention mask; "
         "one packed row (attention over all its token pairs with sdpa; 4-7x slower on CPU); or one row per "
-        "group of samples with the same prompt in a micro-batch, the prompt computed once per micro-batch (for "
-        "long prompts and short answers; sdpa or eager attention). docs/trainer.md, 'Micro-batch layout'.",
+        "group of samples with the same prompt, the prompt computed once (the preprocessor then packs each "
+        "group whole into one micro-batch; for long prompts and short answers; sdpa or eager attention). "
+        "docs/trainer.md, 'Micro-batch layout'.",
     )
     mixed_precision: Literal["no", "bf16"] = Field(
         "no",

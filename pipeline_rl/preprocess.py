@@ -247,7 +247,7 @@ class Preprocessor:
             taken.append(held)
             count += len(held.samples)
         samples = [s for h in taken for s in h.samples]
-        # The shared_prefix layout computes a prompt once per micro-batch: keep each group in one.
+        # The shared_prefix layout shares a prompt only within a micro-batch: keep each group in one.
         keep_groups = self.cfg.trainer.micro_batch_layout == "shared_prefix"
         micro_batches = pack_micro_batches(samples, self.pcfg.seq_length, keep_groups)
         parts = assign_partitions(micro_batches, self.num_ranks, self.pcfg.replace_token_id)

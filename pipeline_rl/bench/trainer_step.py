@@ -231,6 +231,7 @@ def run(ctx: BenchContext) -> dict:
                     name,
                     f"{samples} / {tokens}",
                     len(package.micro_batches),
+                    _model_rows(package, variant),
                     variant,
                     step_s,
                     f"{ceiling / step_s:.2f}",
@@ -242,6 +243,7 @@ def run(ctx: BenchContext) -> dict:
             "batch",
             "samples / tokens",
             "micro-batches",
+            "model rows",
             "variant",
             "step s",
             "plain loop / step",
@@ -266,7 +268,7 @@ def run(ctx: BenchContext) -> dict:
         f"Medians of {ctx.repeats} interleaved repeats, one process, {ctx.trainer_threads()} torch thread(s), "
         "the demo's model (~1M parameters, 4 layers, character vocabulary), `preprocess.seq_length` "
         f"{configs['demo'].preprocess.seq_length} (conf/base.yaml, as every launch). "
-        "`step s` is `train_step` end to end (collate, forward, backward, the metrics, the optimizer "
+        "`model rows`: the rows the model runs per step. `step s` is `train_step` end to end (collate, forward, backward, the metrics, the optimizer "
         "step); the phase columns are what the step records in `trainer_metrics.jsonl`. `plain loop`: "
         "the same samples as one padded batch through the bare model with a token-sum loss and AdamW: the "
         "floor of any trainer that runs every sample's prompt; `shared_prefix` runs each group's prompt "
@@ -278,6 +280,23 @@ def run(ctx: BenchContext) -> dict:
     data = {"summary": summary, "times": {f"{k[0]}/{k[1]}": v for k, v in times.items()}}
     ctx.save_json("trainer-step", data)
     return data
+
+
+def _model_rows(package, variant: str) -> int:
+    """How many rows the model runs for the step: one per sample (padded, plain loop), one per micro-batch
+    (packed), one per set of samples sharing a prompt in a micro-batch (shared_prefix, as the step finds
+    them)."""
+    import torch
+
+    from pipeline_rl.trainer.step import micro_batch_tensors
+
+    layout = TRAINER_VARIANTS.get(variant, ("padded", ""))[0]
+    if layout == "packed":
+        return len(package.micro_batches)
+    if layout == "padded":
+        return package.batch_samples
+    cpu = torch.device("cpu")
+    return sum(micro_batch_tensors(mb, cpu)["prefix_groups"].unique().numel() for mb in package.micro_batches)
 
 
 def _vocab(model_dir) -> int:

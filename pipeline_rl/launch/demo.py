@@ -54,10 +54,10 @@ DEMO_OVERRIDES = [
     # learned the format as fast and kept improving the sums (docs/decisions.md, "The demo").
     "trainer.learning_rate=1e-4",
     "trainer.batch_size=128",
-    # Each group's prompt runs through the model once per micro-batch, not once per sample: the same loss
-    # and gradient as the padded layout (tested), and the demo's trainer step is 1.4x shorter
-    # (docs/benchmarks.md section 8; more once the packing keeps groups whole, F16) because its answers
-    # are a few tokens after a longer prompt. The long-answer recipe keeps
+    # Each group's prompt runs through the model once, not once per sample (the preprocessor keeps a
+    # group in one micro-batch for this layout): the same loss and gradient as the padded layout
+    # (tested), and the demo batch's trainer step is 3.2x shorter (docs/benchmarks.md section 8, F16)
+    # because its answers are a few tokens after a longer prompt. The long-answer recipe keeps
     # `padded`, which is cheaper where answers are long and prompts short.
     "trainer.micro_batch_layout=shared_prefix",
     # DAPO dynamic sampling: groups whose 8 rewards are all equal carry no signal and are dropped before

@@ -145,6 +145,33 @@ def test_preprocessors_in_a_group_handle_every_group_exactly_once(redis_server, 
     assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0  # everything acked
 
 
+def _micro_batches_holding_each_group(cfg: RunConfig) -> dict[str, int]:
+    holding: Counter[str] = Counter()
+    for batch in packages_by_batch(cfg).values():
+        for package in batch.values():
+            for mb in package.micro_batches:
+                holding.update({s.group_id for s in mb if not is_padding(s)})
+    return dict(holding)
+
+
+def test_shared_prefix_layout_gets_each_group_whole_in_one_micro_batch(redis_server, tmp_path):
+    # The shared_prefix layout shares a prompt only within a micro-batch (docs/benchmarks.md F16).
+    groups = [make_group(i, random.Random(2)) for i in range(16)]
+    holding = {}
+    for layout in ("shared_prefix", "padded"):
+        cfg = make_cfg(redis_server.url, tmp_path / layout, batch_size=16, seq_length=96)
+        cfg.trainer.micro_batch_layout = layout
+        make_writer(cfg.streams, ROLLOUTS).write_many(groups)
+        prep = Preprocessor(cfg, 0)
+        for _ in range(10):
+            prep.poll(block_s=0.0)
+        check_complete_batches(cfg, packages_by_batch(cfg))
+        holding[layout] = _micro_batches_holding_each_group(cfg)
+    assert holding["shared_prefix"] == {g.group_id: 1 for g in groups}
+    # Packed by sample length alone (the other layouts), these groups are scattered.
+    assert max(holding["padded"].values()) > 1, holding["padded"]
+
+
 def test_dynamic_sampling_drops_equal_reward_groups_and_reports_them(redis_server, tmp_path):
     cfg = make_cfg(redis_server.url, tmp_path, ranks=1, drop_all_equal_groups=True)
     rng = random.Random(1)
