@@ -56,7 +56,7 @@ DEMO_OVERRIDES = [
     "trainer.batch_size=128",
     # Each group's prompt runs through the model once, not once per sample (the preprocessor keeps a
     # group in one micro-batch for this layout): the same loss and gradient as the padded layout
-    # (tested), and the demo batch's trainer step is 3.2x shorter (docs/benchmarks.md section 8, F16)
+    # (tested), and the demo batch's trainer step is 3.4x shorter (docs/benchmarks.md section 8, F16)
     # because its answers are a few tokens after a longer prompt. The long-answer recipe keeps
     # `padded`, which is cheaper where answers are long and prompts short.
     "trainer.micro_batch_layout=shared_prefix",
