@@ -271,9 +271,10 @@ def run(ctx: BenchContext) -> dict:
         "`model rows`: the rows the model runs per step. `step s` is `train_step` end to end (collate, forward, backward, the metrics, the optimizer "
         "step); the phase columns are what the step records in `trainer_metrics.jsonl`. `plain loop`: "
         "the same samples as one padded batch through the bare model with a token-sum loss and AdamW: the "
-        "floor of any trainer that runs every sample's prompt; `shared_prefix` runs each group's prompt "
-        "once (the preprocessor packs each group whole into one micro-batch for that layout, F16), so it "
-        "does less work than that floor."
+        "floor of any trainer that runs every sample's prompt; `shared_prefix` runs a group's prompt once "
+        "when the group fits in one micro-batch (the preprocessor then packs it whole, F16): less work "
+        "than that floor where answers are short (demo), while long answers make long rows whose dense "
+        "attention costs more (long-tail)."
     )
     markdown = section(ctx, "8. trainer-step", intro, [table], goals, (), steal.percent())
     publish(ctx, "trainer-step", markdown)
