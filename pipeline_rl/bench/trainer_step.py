@@ -11,9 +11,9 @@ as the step records them in trainer_metrics.jsonl. Variants, interleaved per rep
 
 - `padded` / `packed`: `trainer.micro_batch_layout` (how the model sees a packed micro-batch);
 - `padded bf16`: padded with `trainer.mixed_precision=bf16` (forward under bf16 autocast);
-- `shared_prefix` (and with bf16): one row per group of samples with the same prompt in a micro-batch,
-  the prompt computed once per micro-batch (`trainer.micro_batch_layout=shared_prefix`), packed as the
-  preprocessor packs for that layout: each group whole in one micro-batch (docs/benchmarks.md F16);
+- `shared_prefix` (and with bf16): one row per group of samples with the same prompt in a micro-batch
+  (`trainer.micro_batch_layout=shared_prefix`), packed as the preprocessor packs for that layout: each
+  group that fits whole in one micro-batch, so its prompt is computed once (docs/benchmarks.md F16);
 - `plain loop`: the ceiling: the same samples as ONE right-padded batch through the bare model, a
   token-sum policy-gradient loss, backward and an AdamW step, no micro-batching, metrics or
   distributed wrapper - what a single-process trainer such as TRL's does per step.
@@ -268,8 +268,8 @@ def run(ctx: BenchContext) -> dict:
         f"Medians of {ctx.repeats} interleaved repeats, one process, {ctx.trainer_threads()} torch thread(s), "
         "the demo's model (~1M parameters, 4 layers, character vocabulary), `preprocess.seq_length` "
         f"{configs['demo'].preprocess.seq_length} (conf/base.yaml, as every launch). "
-        "`model rows`: the rows the model runs per step. `step s` is `train_step` end to end (collate, forward, backward, the metrics, the optimizer "
-        "step); the phase columns are what the step records in `trainer_metrics.jsonl`. `plain loop`: "
+        "`model rows`: the rows the model runs per step. `step s` is `train_step` end to end (collate, "
+        "forward, backward, the metrics, the optimizer step); the phase columns are what the step records in `trainer_metrics.jsonl`. `plain loop`: "
         "the same samples as one padded batch through the bare model with a token-sum loss and AdamW: the "
         "floor of any trainer that runs every sample's prompt; `shared_prefix` runs a group's prompt once "
         "when the group fits in one micro-batch (the preprocessor then packs it whole, F16): less work "
