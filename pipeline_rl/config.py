@@ -178,6 +178,13 @@ class PlacementConfig(_Section):
         "GPUs when there are too few for one each; on CPU the trainer and every server get all the "
         "node's cores (for mode=sync, where only one of them works at a time).",
     )
+    pin_whole_server: bool = Field(
+        False,
+        description="On CPU, run every process of a vLLM server on its cores (taskset). Default: only "
+        "the engine's worker, which does the model's compute, is bound to them (VLLM_CPU_OMP_THREADS_BIND); "
+        "the server's HTTP and scheduler processes float over the node's cores like actors and "
+        "preprocessors, and use the trainer's core while it waits.",
+    )
 
 
 class RestartPolicy(_Section):

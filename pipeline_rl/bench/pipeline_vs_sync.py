@@ -78,6 +78,10 @@ VARIANTS = {
     # Each group's prompt computed once in the trainer (on `arith` that is the bare "pipeline"), and one
     # row per sample (what `make demo` ran before 2026-11-26 23:00, when section 9 called it "pipeline").
     "pipeline-sp": ("mode=pipeline", SHARED_PREFIX),
+    "pipeline-sp-torch": ("mode=pipeline", SHARED_PREFIX, "inference.backend=torch"),
+    # Every process of the server on its core, as every launch placed it before 2026-11-27 (the default
+    # binds only vLLM's worker there; the server's API and scheduler float).
+    "pipeline-pinned": ("mode=pipeline", "placement.pin_whole_server=true"),
     "pipeline-padded": ("mode=pipeline", PADDED),
     "pipeline-sp-bf16": ("mode=pipeline", SHARED_PREFIX, "trainer.mixed_precision=bf16"),
     "sync-colocated-sp-bf16": (

@@ -43,13 +43,16 @@ class ProcessSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     cores: list[int] | None = None
+    # False: the process binds its own compute to `cores` (a vLLM-CPU server's worker, through
+    # VLLM_CPU_OMP_THREADS_BIND) and its other processes float, like the light roles.
+    taskset: bool = True
     port: int | None = None  # a server's HTTP port; the trainer's rendezvous port
     url: str | None = None  # base URL of a server; the launcher waits for its /health
     gpus: list[str] | None = None  # CUDA_VISIBLE_DEVICES entries (platform=gpu), shown in the plan
     secret_env: dict[str, str] = field(default_factory=dict)  # environment only, never in files or argv
 
     def full_argv(self) -> list[str]:
-        if self.cores:
+        if self.cores and self.taskset:
             return ["taskset", "-c", ",".join(map(str, self.cores)), *self.argv]
         return list(self.argv)
 

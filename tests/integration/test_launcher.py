@@ -145,7 +145,8 @@ def test_end_to_end_run(tiny_model, tmp_path, mode):
         every = "taskset -c " + ",".join(map(str, cores)) + " "
         trainer_cmd, server_cmd = ((run_dir / "cmd" / f"{n}.sh").read_text() for n in ("trainer", "server0"))
         assert every in trainer_cmd and f"OMP_NUM_THREADS={len(cores)}" in trainer_cmd, trainer_cmd
-        assert every in server_cmd, server_cmd
+        # vLLM's worker binds itself to every core; the server's other processes float over them.
+        assert "VLLM_CPU_OMP_THREADS_BIND=" + ",".join(map(str, cores)) in server_cmd, server_cmd
 
     rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
@@ -304,6 +305,29 @@ def test_cpu_plan_splits_cores_unless_colocated():
         compose(["placement.colocate=true"]), replace(local_share(compose([]), {"servers"}), cores=[0, 1])
     )
     assert servers_only == {"trainer": None, "server0": [0, 1]}
+
+
+def test_a_cpu_vllm_server_binds_only_its_worker_to_its_cores(tmp_path):
+    from dataclasses import replace
+
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.plan import local_share, plan, resolve
+
+    roles = {"servers", "trainer", "preprocessors", "actors"}
+
+    def specs(*overrides):
+        cfg = resolve(compose(list(overrides)), tmp_path, roles)
+        return {s.name: s for s in plan(cfg, tmp_path, replace(local_share(cfg, roles), cores=[0, 1]))}
+
+    default = specs()
+    server, trainer = default["server0"], default["trainer"]
+    # vLLM's worker is bound by vLLM itself; the shim's API and engine core float (no taskset).
+    assert server.cores == [1] and server.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert server.full_argv()[0] != "taskset", server.full_argv()
+    assert trainer.full_argv()[:3] == ["taskset", "-c", "0"]
+    # Asked for, or for an engine that binds nothing itself, the whole server runs on its core.
+    for overrides in (["placement.pin_whole_server=true"], ["inference.backend=torch"]):
+        assert specs(*overrides)["server0"].full_argv()[:3] == ["taskset", "-c", "1"], overrides
 
 
 def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(tiny_model, tmp_path):
