@@ -296,7 +296,7 @@ def test_cpu_plan_splits_cores_unless_colocated():
         cfg = compose(["inference.num_servers=2", *overrides])
         return place_cores(cfg, replace(local_share(cfg, roles), cores=[0, 1, 2, 3]))
 
-    # By default the trainer and the engines never share a core: pipelined, both work all the time.
+    # By default the trainer and the engines' workers never share a core: pipelined, both work all the time.
     assert place() == {"trainer": [0, 1], "server0": [2], "server1": [3]}
     # Colocated (for mode=sync, one phase at a time): each phase gets the whole machine.
     together = place("mode=sync", "placement.colocate=true")
