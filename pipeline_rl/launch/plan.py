@@ -116,8 +116,8 @@ def place_cores(cfg: RunConfig, share: NodeShare) -> dict[str, list[int] | None]
     The trainer takes the first ceil(n/2) cores (at least one; all of them on a node without servers),
     the node's servers share the rest (each its own slice when there are enough); light processes
     (actors, preprocessors, redis) float, and so do a vLLM-CPU server's HTTP and scheduler processes
-    (only its worker is bound to the server's slice, unless placement.pin_whole_server). On a GPU box the same split applies to host threads while
-    CUDA_VISIBLE_DEVICES picks the devices.
+    (only its worker is bound to the server's slice, unless placement.pin_whole_server). On a GPU box
+    the same split applies to host threads while CUDA_VISIBLE_DEVICES picks the devices.
 
     placement.colocate=true gives the trainer and every server all the node's cores (the trainer's
     torch threads and each engine's OpenMP threads span the machine): what a synchronous run wants,
