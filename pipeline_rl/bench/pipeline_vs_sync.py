@@ -50,8 +50,9 @@ TARGET = THRESHOLDS[-1]
 # fell. A save costs ~15 ms at the demo size, on the run's clock.
 EVAL_EVERY_S = 3
 RUN_S = {"full": 300, "quick": 60}
-# Mode name -> launcher overrides. sync: trainer and engine on their own halves of the cores, each idle
-# while the other works; sync-colocated: each phase gets every core (as verl's hybrid engine and TRL do).
+# Mode name -> launcher overrides. sync: the trainer and the engine's worker on their own halves of the
+# cores (the server's API and scheduler float since F17), each idle while the other works; sync-colocated:
+# each phase gets every core (as verl's hybrid engine and TRL do).
 MODES = {
     "pipeline": ("mode=pipeline",),
     "sync": ("mode=sync",),
