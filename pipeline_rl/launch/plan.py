@@ -307,12 +307,19 @@ def print_plan(
     if share.redis is not None:
         where = redact_url(cfg.streams.redis_url) if cfg.streams.redis_url else "private redis-server"
         print(f"{'redis':<16}{'redis':<15}{'-':<10} {'-':<9}{share.redis[1] or '-'!s:<8}{where}")
+    worker_bound = False  # a server whose worker alone is bound to the cores shown (plan())
     for spec in specs:
         cores = _ranges(spec.cores) if spec.cores else "-"
+        if spec.cores and not spec.taskset:
+            cores, worker_bound = cores + "*", True
         gpus = ",".join(spec.gpus) if spec.gpus else "-"
         if spec.gpus and all(g.isdigit() for g in spec.gpus):
             gpus = _ranges([int(g) for g in spec.gpus])
         where = spec.url if spec.url and share.cluster else f"cmd/{spec.name}.sh"
         print(f"{spec.name:<16}{spec.role:<15}{cores:<10} {gpus:<9}{spec.port or '-'!s:<8}{where}")
+    if worker_bound:
+        print(
+            "* the engine's worker only; the server's HTTP and scheduler processes float (placement.pin_whole_server)"
+        )
     if status_port:
         print(f"status: curl -s http://127.0.0.1:{status_port}/status")

@@ -117,6 +117,8 @@ def test_dry_run_prints_the_placement_map(tiny_model, tmp_path):
     for name in ("server0", "server1", "trainer", "preprocessor0", "actor0", "actor1", "status: curl"):
         assert name in result.stdout
     assert not (tmp_path / "logs").exists(), "a dry run starts nothing"
+    if len(os.sched_getaffinity(0)) >= 2:  # the servers' cores are their workers' only
+        assert "* the engine's worker only" in result.stdout, result.stdout
 
 
 @pytest.mark.slow
