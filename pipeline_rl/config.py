@@ -43,8 +43,11 @@ class InferenceConfig(_Section):
     dtype: str = Field("float32", description="Engine weight dtype: float32 on CPU, bfloat16 on GPU.")
     max_model_len: int = Field(256, ge=16, description="Longest prompt + completion per sequence.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded at once per server.")
-    kv_after_update: Literal["recompute", "keep"] = Field(
-        "recompute", description="KV policy after an update."
+    kv_after_update: Literal["recompute", "keep"] | None = Field(
+        None,
+        description="KV of in-flight requests after an update: keep (PipelineRL's) or recompute with the new "
+        "weights. Unset: keep when mode=pipeline (docs/benchmarks.md F18), recompute when mode=sync, where no "
+        "request is in flight at an update and recompute keeps vLLM's prefix cache on.",
     )
     startup_timeout_s: float = Field(300.0, gt=0, description="Deadline for a server to become healthy.")
     weight_transport: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU, nccl on GPU.")
@@ -274,6 +277,8 @@ class RunConfig(_Section):
                 f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of actor.attempts "
                 f"({self.actor.attempts}) so that steps consume whole groups"
             )
+        if self.inference.kv_after_update is None:
+            self.inference.kv_after_update = "keep" if self.mode == "pipeline" else "recompute"
         if self.inference.backend == "sglang" and self.inference.weight_transport == "gloo":
             raise ValueError(
                 "inference=sglang runs on NVIDIA GPUs only: add platform=gpu (NCCL weight transport)"

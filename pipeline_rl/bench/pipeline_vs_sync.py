@@ -59,38 +59,49 @@ MODES = {
     "sync-colocated": ("mode=sync", "placement.colocate=true"),
 }
 # Other launch variants the benchmarks compare (vs-trl). The bare modes above take the recipe's trainer
-# layout (`arith`, the demo: shared_prefix; `remainder`: padded); every variant below names its own, so
-# each runs what it ran when it was measured (the demo recipe was padded until 2026-11-26 23:00).
+# layout (`arith`, the demo: shared_prefix; `remainder`: padded) and the launcher's KV policy; every
+# variant below names its own, so each runs what it ran when it was measured (the demo recipe was padded
+# until 2026-11-26 23:00; pipelined runs recomputed in-flight KV after each update until F18, 2026-11-27).
 PADDED = "trainer.micro_batch_layout=padded"
 SHARED_PREFIX = "trainer.micro_batch_layout=shared_prefix"
+BF16 = "trainer.mixed_precision=bf16"
+RECOMPUTE = "inference.kv_after_update=recompute"
 VARIANTS = {
     **MODES,
-    "pipeline-torch": ("mode=pipeline", "inference.backend=torch", PADDED),
+    # `make demo` as it ran before F18: in-flight requests recompute their KV after each update.
+    "pipeline-recompute": ("mode=pipeline", RECOMPUTE),
+    "pipeline-torch": ("mode=pipeline", "inference.backend=torch", PADDED, RECOMPUTE),
     "sync-colocated-torch": ("mode=sync", "placement.colocate=true", "inference.backend=torch", PADDED),
     "pipeline-torch-colocated": (
         "mode=pipeline",
         "placement.colocate=true",
         "inference.backend=torch",
         PADDED,
+        RECOMPUTE,
     ),
     # The trainer's forward passes under bf16 autocast (TRL's GRPOTrainer default); the engine stays float32.
-    "pipeline-bf16": ("mode=pipeline", "trainer.mixed_precision=bf16", PADDED),
-    "sync-colocated-bf16": ("mode=sync", "placement.colocate=true", "trainer.mixed_precision=bf16", PADDED),
+    "pipeline-bf16": ("mode=pipeline", BF16, PADDED, RECOMPUTE),
+    "sync-colocated-bf16": ("mode=sync", "placement.colocate=true", BF16, PADDED),
     # Each group's prompt computed once in the trainer (on `arith` that is the bare "pipeline"), and one
     # row per sample (what `make demo` ran before 2026-11-26 23:00, when section 9 called it "pipeline").
-    "pipeline-sp": ("mode=pipeline", SHARED_PREFIX),
-    "pipeline-sp-torch": ("mode=pipeline", SHARED_PREFIX, "inference.backend=torch"),
+    "pipeline-sp": ("mode=pipeline", SHARED_PREFIX, RECOMPUTE),
+    "pipeline-sp-torch": ("mode=pipeline", SHARED_PREFIX, "inference.backend=torch", RECOMPUTE),
     # Every process of the server on its core, as every launch placed it before 2026-11-27 (the default
     # binds only vLLM's worker there; the server's API and scheduler float).
-    "pipeline-pinned": ("mode=pipeline", "placement.pin_whole_server=true"),
-    "pipeline-padded": ("mode=pipeline", PADDED),
-    "pipeline-sp-bf16": ("mode=pipeline", SHARED_PREFIX, "trainer.mixed_precision=bf16"),
-    "sync-colocated-sp-bf16": (
-        "mode=sync",
-        "placement.colocate=true",
+    "pipeline-pinned": ("mode=pipeline", "placement.pin_whole_server=true", RECOMPUTE),
+    "pipeline-padded": ("mode=pipeline", PADDED, RECOMPUTE),
+    "pipeline-sp-bf16": ("mode=pipeline", SHARED_PREFIX, BF16, RECOMPUTE),
+    "pipeline-sp-bf16-pinned": (
+        "mode=pipeline",
         SHARED_PREFIX,
-        "trainer.mixed_precision=bf16",
+        BF16,
+        "placement.pin_whole_server=true",
+        RECOMPUTE,
     ),
+    # In-flight requests keep the KV computed before an update, as PipelineRL keeps it (F18); the launcher's
+    # default for mode=pipeline since then.
+    "pipeline-sp-bf16-keep": ("mode=pipeline", SHARED_PREFIX, BF16, "inference.kv_after_update=keep"),
+    "sync-colocated-sp-bf16": ("mode=sync", "placement.colocate=true", SHARED_PREFIX, BF16),
 }
 
 

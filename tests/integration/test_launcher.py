@@ -337,6 +337,25 @@ def test_a_cpu_vllm_server_binds_only_its_worker_to_its_cores(tmp_path):
         assert specs(*overrides)["server0"].full_argv()[:3] == ["taskset", "-c", "1"], overrides
 
 
+def test_pipelined_servers_keep_in_flight_kv_after_an_update_and_sync_servers_recompute(tmp_path):
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.launch.plan import plan, resolve
+
+    roles = {"servers", "trainer", "preprocessors", "actors"}
+
+    def kv_flag(*overrides):
+        cfg = resolve(compose(list(overrides)), tmp_path, roles)
+        argv = next(s for s in plan(cfg, tmp_path, roles) if s.name == "server0").argv
+        return cfg.inference.kv_after_update, argv[argv.index("--kv-after-update") + 1]
+
+    # Unset, the policy follows the mode (docs/benchmarks.md F18), and the server is told the same.
+    assert kv_flag() == ("keep", "keep")
+    assert kv_flag("mode=sync") == ("recompute", "recompute")
+    # Named, it is what the user asked for, in either mode.
+    assert kv_flag("inference.kv_after_update=recompute") == ("recompute", "recompute")
+    assert kv_flag("mode=sync", "inference.kv_after_update=keep") == ("keep", "keep")
+
+
 def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(tiny_model, tmp_path):
     base = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--dry-run", f"model_path={tiny_model}",
             f"run_dir={tmp_path}", "platform=gpu", "trainer=fsdp", "trainer.num_processes=2",
