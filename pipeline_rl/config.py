@@ -278,7 +278,10 @@ class RunConfig(_Section):
                 f"({self.actor.attempts}) so that steps consume whole groups"
             )
         if self.inference.kv_after_update is None:
-            self.inference.kv_after_update = "keep" if self.mode == "pipeline" else "recompute"
+            # Here, not as a field default: the default depends on `mode`. A copy, so that an
+            # InferenceConfig the caller passed in is not changed under it.
+            kv = "keep" if self.mode == "pipeline" else "recompute"
+            self.inference = self.inference.model_copy(update={"kv_after_update": kv})
         if self.inference.backend == "sglang" and self.inference.weight_transport == "gloo":
             raise ValueError(
                 "inference=sglang runs on NVIDIA GPUs only: add platform=gpu (NCCL weight transport)"

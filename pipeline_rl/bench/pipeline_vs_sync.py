@@ -59,16 +59,17 @@ MODES = {
     "sync-colocated": ("mode=sync", "placement.colocate=true"),
 }
 # Other launch variants the benchmarks compare (vs-trl). The bare modes above take the recipe's trainer
-# layout (`arith`, the demo: shared_prefix; `remainder`: padded) and the launcher's KV policy; every
-# variant below names its own, so each runs what it ran when it was measured (the demo recipe was padded
-# until 2026-11-26 23:00; pipelined runs recomputed in-flight KV after each update until F18, 2026-11-27).
+# layout (`arith`, the demo: shared_prefix; `remainder`: padded) and the launcher's KV policy. Every
+# variant below names its layout, and every pipelined one its KV policy, so each runs what it ran when it
+# was measured (the demo recipe was padded until 2026-11-26 23:00; pipelined runs recomputed in-flight KV
+# after each update until F18, 2026-11-27; sync runs recompute, their default throughout).
 PADDED = "trainer.micro_batch_layout=padded"
 SHARED_PREFIX = "trainer.micro_batch_layout=shared_prefix"
 BF16 = "trainer.mixed_precision=bf16"
 RECOMPUTE = "inference.kv_after_update=recompute"
 VARIANTS = {
     **MODES,
-    # `make demo` as it ran before F18: in-flight requests recompute their KV after each update.
+    # `make demo` as it ran between F17 and F18: in-flight requests recompute their KV after each update.
     "pipeline-recompute": ("mode=pipeline", RECOMPUTE),
     "pipeline-torch": ("mode=pipeline", "inference.backend=torch", PADDED, RECOMPUTE),
     "sync-colocated-torch": ("mode=sync", "placement.colocate=true", "inference.backend=torch", PADDED),

@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-after-update",
         choices=["recompute", "keep"],
         default=None,
-        help="shim servers' mode; lag: run only this policy",
+        help="servers the bench starts itself (inflight, shim, ...); lag: run only this policy. Runs through "
+        "the launcher (pipeline-vs-sync, vs-trl) take --override inference.kv_after_update=...",
     )
     g.add_argument(
         "--apply-weights",
