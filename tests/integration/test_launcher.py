@@ -310,17 +310,22 @@ def test_cpu_plan_splits_cores_unless_colocated():
     assert servers_only == {"trainer": None, "server0": [0, 1]}
 
 
-def test_a_cpu_vllm_server_binds_only_its_worker_to_its_cores(tmp_path):
+def _one_host_plan(tmp_path: Path, *overrides: str):
+    """The resolved config and the processes (by name) of a one-host launch on cores 0 and 1."""
     from dataclasses import replace
 
     from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.plan import local_share, plan, resolve
 
     roles = {"servers", "trainer", "preprocessors", "actors"}
+    cfg = resolve(compose(list(overrides)), tmp_path, roles)
+    specs = plan(cfg, tmp_path, replace(local_share(cfg, roles), cores=[0, 1]))
+    return cfg, {s.name: s for s in specs}
 
+
+def test_a_cpu_vllm_server_binds_only_its_worker_to_its_cores(tmp_path):
     def specs(*overrides):
-        cfg = resolve(compose(list(overrides)), tmp_path, roles)
-        return {s.name: s for s in plan(cfg, tmp_path, replace(local_share(cfg, roles), cores=[0, 1]))}
+        return _one_host_plan(tmp_path, *overrides)[1]
 
     default = specs()
     server, trainer = default["server0"], default["trainer"]
@@ -338,14 +343,9 @@ def test_a_cpu_vllm_server_binds_only_its_worker_to_its_cores(tmp_path):
 
 
 def test_pipelined_servers_keep_in_flight_kv_after_an_update_and_sync_servers_recompute(tmp_path):
-    from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.plan import plan, resolve
-
-    roles = {"servers", "trainer", "preprocessors", "actors"}
-
     def kv_flag(*overrides):
-        cfg = resolve(compose(list(overrides)), tmp_path, roles)
-        argv = next(s for s in plan(cfg, tmp_path, roles) if s.name == "server0").argv
+        cfg, specs = _one_host_plan(tmp_path, *overrides)
+        argv = specs["server0"].argv
         return cfg.inference.kv_after_update, argv[argv.index("--kv-after-update") + 1]
 
     # Unset, the policy follows the mode (docs/benchmarks.md F18), and the server is told the same.
