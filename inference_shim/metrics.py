@@ -47,6 +47,12 @@ class ShimMetrics:
             registry=r,
         )
 
+        self.prefix_cached_tokens = Counter(
+            "shim_prefix_cached_tokens",
+            "Prompt tokens whose KV came from the engine's prefix cache (vLLM)",
+            registry=r,
+        )
+
     def record_update(self, result: UpdateResult) -> None:
         self.updates.labels(result="ok").inc()
         self.update_bytes.inc(result.total_bytes)

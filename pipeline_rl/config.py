@@ -47,7 +47,7 @@ class InferenceConfig(_Section):
         None,
         description="KV of in-flight requests after an update: keep (PipelineRL's) or recompute with the new "
         "weights. Unset: keep when mode=pipeline (docs/benchmarks.md F18), recompute when mode=sync, where no "
-        "request is in flight at an update and recompute keeps vLLM's prefix cache on.",
+        "request is in flight at an update.",
     )
     startup_timeout_s: float = Field(300.0, gt=0, description="Deadline for a server to become healthy.")
     weight_transport: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU, nccl on GPU.")

@@ -85,7 +85,8 @@ class VllmOptions(BaseModel):
     kv_after_update: Literal["recompute", "keep"] = Field(
         default="recompute",
         description="recompute: drop all KV from old weights after an update (in-flight requests re-prefill). "
-        "keep: in-flight requests keep their KV (cheaper, slightly off-policy); prefix caching is then disabled.",
+        "keep: in-flight requests keep their KV (cheaper, slightly off-policy). Either way the prefix cache stays on, "
+        "salted per update so new requests never reuse KV of older weights.",
     )
     apply_weights: Literal["prepared", "reload"] = Field(
         default="prepared",
@@ -125,6 +126,10 @@ class VllmBackend(Backend):
         # after an update makes the engine compute again (reprefilled_tokens).
         self._request_tokens: dict[str, int] = {}
         self._tool_parser_cls = None  # set in start(): the vLLM parser of --tool-call-parser
+        # Every request's prefix-cache salt: bumped when an update pauses the engine, so a request
+        # submitted from then on can only match KV cached under the new weights (docs/decisions.md, KV
+        # after an update). With `keep` this is what lets the prefix cache stay on.
+        self._kv_epoch = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -148,7 +153,7 @@ class VllmBackend(Backend):
             tensor_parallel_size=o.tensor_parallel_size,
             seed=o.seed,
             enforce_eager=o.enforce_eager,
-            enable_prefix_caching=o.kv_after_update == "recompute",
+            enable_prefix_caching=True,  # safe across updates under either policy: see _kv_epoch
             worker_extension_cls=WORKER_EXTENSION,
             **_whole_prefills_on_cpu(self.max_model_len, o.tensor_parallel_size),
         )
@@ -250,9 +255,12 @@ class VllmBackend(Backend):
         self.metrics.in_flight.set(self.in_flight)
         final: list[ChoiceDelta] = []
         try:
-            async for output in self.engine.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids), sampling, request_id
-            ):
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=str(self._kv_epoch))
+            cached_counted = False
+            async for output in self.engine.generate(prompt, sampling, request_id):
+                if not cached_counted and output.num_cached_tokens is not None:
+                    self.metrics.prefix_cached_tokens.inc(output.num_cached_tokens)
+                    cached_counted = True
                 deltas = [self._delta(o, params.top_logprobs) for o in output.outputs]
                 new_tokens = sum(len(d.token_ids) for d in deltas)
                 self.metrics.generated_tokens.inc(new_tokens)
@@ -352,6 +360,11 @@ class VllmBackend(Backend):
         # Straight to the engine core: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
         # orders log output; every millisecond here is a millisecond without decoding.
         await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        # Only once the engine has stopped stepping: a request salted for the new weights must never
+        # be computed by the old ones (its blocks would be matched all through the new version). One
+        # sent just before keeps the old salt and, with `keep`, may reuse old KV like any request in
+        # flight. A failed update only costs the cache.
+        self._kv_epoch += 1
 
     async def _apply(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
         seconds = await self._rpc("pr_apply", req.timeout_s, (req.version,))
