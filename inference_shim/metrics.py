@@ -49,7 +49,7 @@ class ShimMetrics:
 
         self.prefix_cached_tokens = Counter(
             "shim_prefix_cached_tokens",
-            "Prompt tokens whose KV came from the engine's prefix cache (vLLM)",
+            "Prompt tokens whose KV came from the engine's prefix cache (vLLM; once per request, for n > 1 one sample's)",
             registry=r,
         )
 

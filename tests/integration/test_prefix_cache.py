@@ -3,7 +3,7 @@ keep` (the launcher's default for mode=pipeline): the cache stays on, and a requ
 update never reuses KV that the old weights computed (the shim salts every request per update,
 docs/decisions.md "The prefix cache stays on under both, salted per update").
 
-Hits are read from the shim's `shim_prefix_cached_tokens` counter (GET /metrics). vLLM-CPU caches whole
+Hits are read from the shim's `shim_prefix_cached_tokens_total` counter (GET /metrics). vLLM-CPU caches whole
 blocks of 128 tokens, so the prompt here is longer than one block.
 """
 
@@ -24,12 +24,14 @@ BLOCK = 128  # vLLM-CPU's KV block: the unit the prefix cache hashes and matches
 PROMPT_IDS = [1] + [10 + (7 * i) % 80 for i in range(199)]  # 200 tokens: one whole block and a part
 
 
-def _complete(url: str) -> tuple[list[int], list[float]]:
-    body = {"prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0, "logprobs": 0, "ignore_eos": True}
-    choice = (
-        httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status().json()["choices"][0]
-    )
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+def _complete(url: str, n: int = 1) -> list[tuple[list[int], list[float]]]:
+    """Tokens and logprobs of each of the request's n samples: greedy for one, sampled at temperature 1
+    (logprobs of the raw distribution, as the actor asks for a group) for several."""
+    body = {"prompt": PROMPT_IDS, "n": n, "max_tokens": 4, "logprobs": 0, "ignore_eos": True}
+    body.update({"temperature": 0} if n == 1 else {"temperature": 1.0, "seed": 0})
+    choices = httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status().json()["choices"]
+    assert len(choices) == n
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
 
 
 def _cached_tokens(url: str) -> float:
@@ -39,12 +41,13 @@ def _cached_tokens(url: str) -> float:
     return float(match.group(1))
 
 
-def _assert_generated_by(model_dir, served: tuple[list[int], list[float]]) -> None:
-    """Greedy tokens and logprobs as a float32 transformers forward pass of `model_dir` gives them."""
-    tokens, logprobs = served
-    ref_tokens, ref_logprobs = transformers_greedy(model_dir, PROMPT_IDS, tokens)
-    assert tokens == ref_tokens
-    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) <= 1e-3
+def _assert_generated_by(model_dir, samples: list[tuple[list[int], list[float]]]) -> None:
+    """Every sample's logprobs (and a lone greedy sample's tokens) are what a float32 transformers
+    forward pass of `model_dir` gives."""
+    for tokens, logprobs in samples:
+        ref_tokens, ref_logprobs = transformers_greedy(model_dir, PROMPT_IDS, tokens)
+        assert len(samples) > 1 or tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) <= 1e-3
 
 
 def _named_params(model_dir):
@@ -77,5 +80,6 @@ def test_keep_keeps_the_prefix_cache_and_never_reuses_old_weights_kv(tmp_path):
         # computed again, and what is served is the new weights' answer, not one from old KV.
         _assert_generated_by(other, _complete(url))
         assert _cached_tokens(url) == hits, "a request after the update matched KV of the old weights"
-        _assert_generated_by(other, _complete(url))
+        # A group's samples (n > 1, as the actor asks for them) reuse the new weights' block in turn.
+        _assert_generated_by(other, _complete(url, n=2))
         assert _cached_tokens(url) - hits >= BLOCK, "the new weights' prompt must be cached in turn"
