@@ -109,3 +109,13 @@ def transformers_greedy(
     first = len(prompt_ids) - 1
     greedy = [int(logits[first + j].argmax()) for j in range(len(token_ids))]
     return greedy, [float(logp[first + j, t]) for j, t in enumerate(token_ids)]
+
+
+def checkpoint_params(model_dir) -> list:
+    """(name, tensor) of every parameter of a checkpoint, float32, detached: what a test pushes to servers
+    with WeightSender.push_tensors, or compares what a server received with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(name, p.detach()) for name, p in model.named_parameters()]

@@ -40,7 +40,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _servers import free_port, running_servers, serve_argv, start_child, stop_process_tree, wait_healthy
+from _servers import (
+    checkpoint_params,
+    free_port,
+    running_servers,
+    serve_argv,
+    start_child,
+    stop_process_tree,
+    wait_healthy,
+)
 
 from inference_shim.client import ShimClient
 from inference_shim.protocol import Bucket, BucketSlot, TensorMeta, plan_buckets
@@ -221,7 +229,7 @@ def _served(deployment: Deployment, url: str):
 def _assert_serves(deployment: Deployment, url: str, model_dir) -> None:
     """The server generates exactly what the weights in model_dir generate (capture: holds them)."""
     if not deployment.generates:
-        held, expected = _held(deployment, url), dict(_named_params(model_dir))
+        held, expected = _held(deployment, url), dict(checkpoint_params(model_dir))
         assert held.keys() == expected.keys()
         assert all(torch.equal(held[name], expected[name].detach()) for name in expected)
         return
@@ -229,12 +237,6 @@ def _assert_serves(deployment: Deployment, url: str, model_dir) -> None:
     ref_greedy, ref_logprobs = deployment.reference(model_dir, served_tokens)
     assert served_tokens == ref_greedy
     assert max(abs(a - b) for a, b in zip(served_logprobs, ref_logprobs, strict=True)) <= deployment.tolerance
-
-
-def _named_params(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -356,7 +358,7 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
             if k:
                 time.sleep(1.0)
             weights = models["base"] if k % 2 else models["other"]
-            reports.append(sender.push_tensors(v, _named_params(weights)))
+            reports.append(sender.push_tensors(v, checkpoint_params(weights)))
     finally:
         stop.set()
         for t in threads:
@@ -412,7 +414,7 @@ def test_successive_updates_in_one_group_are_each_served_exactly(deployment, mod
         version = _version(servers[0])
         for name in ("other", "base", "other", "base"):
             version += 1
-            report = sender.push_tensors(version, _named_params(models[name]))
+            report = sender.push_tensors(version, checkpoint_params(models[name]))
             assert all(r.ok for r in report.results) and [_version(u) for u in servers] == [version] * 2
             for url in servers:
                 _assert_serves(deployment, url, models[name])
@@ -442,7 +444,7 @@ def test_chain_fanout_relays_every_bucket_through_the_servers(deployment, models
         version = _version(servers[0])
         for name in ("other", "base"):
             version += 1
-            report = sender.push_tensors(version, _named_params(models[name]))
+            report = sender.push_tensors(version, checkpoint_params(models[name]))
             assert report.num_buckets > 2 and all(r.ok for r in report.results)
             for url in servers:
                 assert _version(url) == version
@@ -460,7 +462,7 @@ def test_invalid_update_is_refused_before_any_data(deployment, models, fault):
     sender = WeightSender(servers, token=TOKEN, backend=deployment.transport, timeout_s=60)
     sender.connect()
     try:
-        named = _named_params(models["base"])
+        named = checkpoint_params(models["base"])
         metas = sender.metas_of(named)
         tensors = [t for _, t in named]
         new_version = version + 1
@@ -817,11 +819,11 @@ def test_sglang_backend_multi_bucket_update_and_failure_mid_update(models, tmp_p
         sender = WeightSender(urls, token=TOKEN, backend="gloo", timeout_s=30, bucket_bytes=32 * 1024)
         sender.connect()
         try:
-            report = sender.push_tensors(1, _named_params(models["other"]))
+            report = sender.push_tensors(1, checkpoint_params(models["other"]))
             assert report.num_buckets >= 5 and all(r.ok for r in report.results)
             _assert_serves(deployment, urls[0], models["other"])
             with pytest.raises(WeightPushError) as raised:
-                sender.push_tensors(2, _named_params(models["base"]))
+                sender.push_tensors(2, checkpoint_params(models["base"]))
             assert raised.value.servers == urls and "partially updated" in str(raised.value)
         finally:
             sender.close()

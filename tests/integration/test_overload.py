@@ -19,8 +19,7 @@ from collections import Counter
 
 import httpx
 import pytest
-import torch
-from _servers import running_servers
+from _servers import checkpoint_params, running_servers
 
 from inference_shim.weight_sender import WeightSender
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
@@ -33,13 +32,6 @@ CLIENTS = 20
 MAX_ACTIVE, MAX_QUEUED = 32, 96
 HEALTH_LIMIT_S = 1.0
 FLOOD_DEADLINE_S = 150.0  # the whole flood, update included, stays well inside 3 minutes
-
-
-def _named_params(model_dir) -> list[tuple[str, torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [(name, p.detach()) for name, p in model.named_parameters()]
 
 
 class HealthPoller(threading.Thread):
@@ -93,7 +85,7 @@ async def _flood(url: str) -> list[tuple[int | str, float]]:
 
 def test_thousand_concurrent_requests_health_and_update(tmp_path):
     model = build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=3))
-    named = _named_params(model)
+    named = checkpoint_params(model)
     extra = ("--max-concurrent-requests", str(MAX_ACTIVE), "--max-queued-requests", str(MAX_QUEUED))
     with running_servers(model, tmp_path, 1, token=TOKEN, extra=extra) as urls:
         url = urls[0]

@@ -13,8 +13,7 @@ import re
 
 import httpx
 import pytest
-import torch
-from _servers import running_servers, transformers_greedy
+from _servers import checkpoint_params, running_servers, transformers_greedy
 
 from inference_shim.weight_sender import WeightSender
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
@@ -50,12 +49,6 @@ def _assert_generated_by(model_dir, samples: list[tuple[list[int], list[float]]]
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) <= 1e-3
 
 
-def _named_params(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
-
-
 @pytest.mark.slow
 def test_keep_keeps_the_prefix_cache_and_never_reuses_old_weights_kv(tmp_path):
     base = build_tiny_model(tmp_path / "base", TinyModelSpec(seed=0))
@@ -71,7 +64,7 @@ def test_keep_keeps_the_prefix_cache_and_never_reuses_old_weights_kv(tmp_path):
         sender = WeightSender([url], token=TOKEN, backend="gloo", timeout_s=60)
         sender.connect()
         try:
-            report = sender.push_tensors(1, _named_params(other))
+            report = sender.push_tensors(1, checkpoint_params(other))
         finally:
             sender.close()
         assert all(r.ok for r in report.results)
