@@ -154,6 +154,18 @@ def log_tail(path: str | os.PathLike | None, lines: int = 40) -> str:
         return "(no log)"
 
 
+def last_error_line(path: str | os.PathLike | None) -> str | None:
+    """The last line our logging wrote at ERROR level ("<name> ERROR <message>") in a log file: a child's
+    own reason for failing, which tracebacks of its wrappers (accelerate, torchrun) may follow for pages."""
+    if path is None:
+        return None
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.strip() for line in reversed(lines) if " ERROR " in line), None)
+
+
 def wait_healthy(
     url: str,
     deadline_s: float,

@@ -182,6 +182,14 @@ def mem_available_bytes() -> int:
     return 0
 
 
+def bf16_text() -> str:
+    """torch's vector instructions on this CPU and whether it runs bf16 natively: without, bf16 matmuls are
+    50-160x slower (pipeline_rl/trainer/precision.py), which changes what a benchmark can run."""
+    from pipeline_rl.trainer.precision import cpu_capability, cpu_has_native_bf16
+
+    return f"{cpu_capability()}, {'native' if cpu_has_native_bf16() else 'no native'} bf16"
+
+
 def machine_line(steal_percent: float | None = None) -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -193,7 +201,11 @@ def machine_line(steal_percent: float | None = None) -> str:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    parts = [f"{os.cpu_count()} CPUs ({cpu})", f"{mem_gib:.0f} GiB RAM", f"load avg at end {load}"]
+    parts = [
+        f"{os.cpu_count()} CPUs ({cpu}, {bf16_text()})",
+        f"{mem_gib:.0f} GiB RAM",
+        f"load avg at end {load}",
+    ]
     if steal_percent is not None:
         parts.append(f"CPU steal during run {steal_percent:.1f}%")
     return "; ".join(parts)

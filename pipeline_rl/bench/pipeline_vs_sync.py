@@ -119,6 +119,26 @@ def launch_run(ctx: BenchContext, mode: str, run_dir: Path, wall_s: int, cmd: li
         raise RuntimeError(f"{mode} run failed (exit {code}); see {log_path}")
 
 
+def precision_fallback(variant: tuple[str, ...]) -> tuple[str, ...]:
+    """The override that runs a bf16 variant in float32 on a CPU without native bf16, where the trainer
+    refuses bf16 (pipeline_rl/trainer/precision.py); the section's machine line says so."""
+    from pipeline_rl.trainer.precision import cpu_has_native_bf16
+
+    return ("trainer.mixed_precision=no",) if BF16 in variant and not cpu_has_native_bf16() else ()
+
+
+def precision_note() -> str:
+    """The sentence a results section adds where precision_fallback applied (the CPU lacks native bf16)."""
+    from pipeline_rl.trainer.precision import cpu_has_native_bf16
+
+    if cpu_has_native_bf16():
+        return ""
+    return (
+        " This CPU has no native bf16 (the machine line): the systems named bf16, and TRL, trained in "
+        "float32 here, since bf16 matmuls would run 50-160x slower (pipeline_rl/trainer/precision.py)."
+    )
+
+
 def launch_command(
     ctx: BenchContext,
     mode: str,
@@ -141,6 +161,7 @@ def launch_command(
     cmd += [
         *overrides,
         *VARIANTS[mode],
+        *precision_fallback(VARIANTS[mode]),
         f"max_wall_s={wall_s}",
         f"seed={seed}",
         f"actor.seed={seed}",

@@ -68,6 +68,7 @@ from pipeline_rl.bench.pipeline_vs_sync import (
     measure_run,
     median_time_to_target,
     plot_accuracy,
+    precision_note,
     spread_text,
     time_to_text,
 )
@@ -182,6 +183,10 @@ def run_trl(
         f"--eval-every-s={eval_every_s}",
         f"--learning-rate={learning_rate}",
     ]
+    from pipeline_rl.trainer.precision import cpu_has_native_bf16
+
+    if not cpu_has_native_bf16():  # TRL's default is bf16, 50-160x slower in matmuls on such a CPU
+        cmd.append("--float32")
     ctx.log(f"trl: {' '.join(cmd[3:])}")
     env = {
         **os.environ,
@@ -304,6 +309,7 @@ def _publish_size(
         "(`trainer.snapshot_every_s`; the save is on our clock, the evaluation is not). Our clock is wall "
         "time from the run's first stats row, TRL's is training time. Our runs train every group, as TRL "
         "does (`preprocess.drop_all_equal_groups=false`; the demo recipe drops all-equal groups)."
+        + precision_note()
         + failures_note(failures)
     )
     xlabel = "seconds (ours: wall since the first step; TRL: training time)"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,33 @@ def _schema_keys(model: type[BaseModel], path: list[str]) -> list[str] | None:
     return sorted(model.model_fields)
 
 
+def _takes_only_strings(model: type[BaseModel], path: list[str]) -> bool:
+    """Whether the field at a dotted path accepts strings only (and maybe None)."""
+    for part in path[:-1]:
+        annotation = getattr(model.model_fields.get(part), "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    field = model.model_fields.get(path[-1])
+    if field is None:
+        return False
+    return _only_strings(field.annotation)
+
+
+def _only_strings(annotation: Any) -> bool:
+    """str, a Literal of strings, or a union of those (None allowed: `null` stays None)."""
+    if annotation is str or annotation is type(None):
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return all(isinstance(arg, str) for arg in args)
+    return (
+        bool(args)
+        and typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        and all(_only_strings(arg) for arg in args)
+    )
+
+
 def _set_dotted(data: dict, key: str, raw: str) -> None:
     parts = key.split(".")
     known = _schema_keys(RunConfig, parts[:-1])
@@ -72,6 +101,10 @@ def _set_dotted(data: dict, key: str, raw: str) -> None:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse the value of '{key}': {e}") from None
+    if isinstance(value, (bool, int, float)) and _takes_only_strings(RunConfig, parts):
+        # YAML reads no/yes/on/off as booleans and 1e-3 as a number: a string field gets what was typed
+        # (trainer.mixed_precision=no, a model_path named 2024).
+        value = raw
     node = data
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict):

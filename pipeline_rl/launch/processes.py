@@ -180,3 +180,4 @@ class ChildFailed(RuntimeError):
     def __init__(self, child: Child, what: str) -> None:
         super().__init__(f"{child.name} {what}")
         self.child = child
+        self.what = what

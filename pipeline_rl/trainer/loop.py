@@ -41,6 +41,7 @@ from pipeline_rl.trainer.dist import Comm, init_comm
 from pipeline_rl.trainer.feed import PartitionFeed
 from pipeline_rl.trainer.metrics import MetricsLog
 from pipeline_rl.trainer.model import load_hf_model
+from pipeline_rl.trainer.precision import check_mixed_precision
 from pipeline_rl.trainer.step import StepResult, custom_mask_form, drop_stale, train_step
 from pipeline_rl.trainer.strategies import Strategy, make_strategy
 from pipeline_rl.trainer.weights import WeightPublisher
@@ -110,6 +111,7 @@ class Trainer:
     def start(cls, cfg: RunConfig) -> Trainer:
         t = cfg.trainer
         comm = init_comm(timeout_s=max(t.data_timeout_s, t.push_timeout_s) + 300)
+        check_mixed_precision(t.mixed_precision, comm.device)  # before minutes of steps that look hung
         torch.manual_seed(t.seed)
         ckpt, state = _resume_point(cfg, comm)
         strategy = make_strategy(cfg, comm, ckpt / "model" if ckpt else cfg.model_path)

@@ -266,6 +266,28 @@ def test_bench_runs_get_the_recipes_layout_unless_the_variant_or_the_user_names_
     assert layout("pipeline-sp", overrides=["trainer.micro_batch_layout=packed"]) == "packed"
 
 
+def test_bf16_variants_train_in_float32_on_a_cpu_without_native_bf16(tmp_path: Path, monkeypatch) -> None:
+    """Where the trainer would refuse bf16 (pipeline_rl/trainer/precision.py), a bench's bf16 variant runs in
+    float32 and its section says so; elsewhere it runs bf16. Whether the CPU has it is patched both ways."""
+    from pipeline_rl.bench import pipeline_vs_sync
+    from pipeline_rl.launch.compose import compose
+    from pipeline_rl.trainer import precision
+
+    def mixed_precision(mode: str) -> str:
+        ctx = _offline_context(tmp_path, "test")
+        cmd = pipeline_vs_sync.launch_command(ctx, mode, tmp_path / "model", tmp_path / "run", 60, seed=0)
+        return compose(cmd[4:]).trainer.mixed_precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert mixed_precision("sync-colocated-sp-bf16") == "bf16"
+    assert mixed_precision("pipeline") == "no"
+    assert pipeline_vs_sync.precision_note() == ""
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert mixed_precision("sync-colocated-sp-bf16") == "no"
+    assert mixed_precision("pipeline-sp-bf16-keep") == "no"
+    assert "trained in float32" in pipeline_vs_sync.precision_note()
+
+
 def test_lag_study_publishes_seconds_and_samples_per_setting(tmp_path: Path) -> None:
     from pipeline_rl.bench.lag import publish_lag
 
@@ -332,6 +354,7 @@ def test_vs_trl_quick_creates_trls_own_venv_and_runs_every_system(tmp_path: Path
     not touched."""
     from pipeline_rl.bench import vs_trl
     from pipeline_rl.bench.vs_trl import TRL_VENV
+    from pipeline_rl.trainer.precision import cpu_has_native_bf16
 
     project_packages = subprocess.run(
         [sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True
@@ -358,6 +381,13 @@ def test_vs_trl_quick_creates_trls_own_venv_and_runs_every_system(tmp_path: Path
         assert sorted(p.name for p in (run_dir / "snapshots").iterdir()) == ["GRADED", "index.jsonl"], run_dir
     body = doc.read_text().split("<!-- bench:vs-trl:start -->")[1]
     assert "| trl " in body and "pipeline-rl bench vs-trl --quick" in body
+    # On a CPU without native bf16 (this machine's, whichever it is) the bf16 system and TRL ran float32.
+    native = cpu_has_native_bf16()
+    assert ("no native bf16" in body) != native and ("trained in float32" in body) != native, body[:2000]
+    for run_dir in ours:
+        precision = json.loads((run_dir / "config.json").read_text())["trainer"]["mixed_precision"]
+        assert precision == ("bf16" if native and "bf16" in run_dir.name else "no"), (run_dir, precision)
+    assert ("--float32" in result.stdout) != native, "TRL's precision does not follow the CPU's"
     assert (tmp_path / "img" / "vs-trl.png").stat().st_size > 0
     after = subprocess.run(
         [sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True

@@ -19,6 +19,7 @@ import pytest
 
 from pipeline_rl.launch.compose import ConfigError
 from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.trainer.precision import cpu_has_native_bf16
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_RUN = [
@@ -177,6 +178,26 @@ def test_killed_child_stops_the_run_and_is_named(tiny_model, tmp_path):
     output = _finish(proc, output, timeout_s=120)
     assert proc.returncode != 0
     assert "ERROR: preprocessor0 (role preprocessors) exited with code -9 (SIGKILL)" in output
+    assert not _sessions_alive(_started_pids(output)), "processes left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_has_native_bf16(), reason="the fault needs a CPU without native bf16 (AVX2-only)")
+def test_a_failed_trainer_says_why_below_its_wrappers_traceback(tiny_model, tmp_path):
+    """A real trainer failure on this CPU (bf16 refused, pipeline_rl/trainer/precision.py): accelerate's
+    traceback fills the log's tail, and the launcher still prints the trainer's own reason and the fix."""
+    proc = _launch(
+        [
+            f"model_path={tiny_model}",
+            f"run_dir={tmp_path / 'run'}",
+            "trainer.mixed_precision=bf16",
+            *SMALL_RUN,
+        ]
+    )
+    output = _finish(proc, "", timeout_s=300)
+    assert proc.returncode != 0
+    assert "ERROR: trainer exited with code 1" in output, output[-4000:]
+    assert "trainer's last error:" in output and "set trainer.mixed_precision=no" in output, output[-4000:]
     assert not _sessions_alive(_started_pids(output)), "processes left behind"
 
 

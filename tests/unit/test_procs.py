@@ -17,6 +17,7 @@ import pytest
 
 from inference_shim.procs import (
     free_port,
+    last_error_line,
     log_tail,
     reserve_port,
     serve_argv,
@@ -107,6 +108,23 @@ def test_wait_healthy_raises_with_the_log_tail_when_the_process_exits(tmp_path: 
         wait_healthy(f"http://127.0.0.1:{free_port()}", 30, proc, log)
     assert "engine failed: no GPU" in str(err.value)
     assert log_tail(log) == "engine failed: no GPU"
+
+
+def test_last_error_line_finds_the_childs_reason_above_its_wrappers_traceback(tmp_path: Path) -> None:
+    log = tmp_path / "trainer.log"
+    assert last_error_line(log) is None  # no log yet
+    log.write_text(
+        "2026-11-27 19:06:14,000 trainer[0] pipeline_rl.trainer ERROR first failure\n"
+        "2026-11-27 19:06:14,438 trainer[0] pipeline_rl.trainer ERROR trainer failed: ValueError: set x=no\n"
+        + "".join(f'  File "accelerate/launch.py", line {i}, in main\n' for i in range(40))
+    )
+    assert (
+        last_error_line(log)
+        == "2026-11-27 19:06:14,438 trainer[0] pipeline_rl.trainer ERROR trainer failed: ValueError: set x=no"
+    )
+    assert "trainer failed" not in log_tail(log, 30)  # why the launcher repeats it below the tail
+    log.write_text("INFO all well\n")
+    assert last_error_line(log) is None
 
 
 def test_wait_healthy_returns_once_health_answers_and_times_out_otherwise(tmp_path: Path) -> None:

@@ -1,0 +1,58 @@
+"""trainer.mixed_precision=bf16 is refused on a CPU without native bf16 (pipeline_rl/trainer/precision.py).
+
+The unit tests patch whether the CPU has it, both ways; the last test runs a real trainer process on this
+machine's CPU, whichever it is, and checks that it fails fast with the fix in its message, or starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline_rl.trainer import precision
+
+CPU = torch.device("cpu")
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_refused_with_the_fix(monkeypatch) -> None:
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(ValueError) as e:
+        precision.check_mixed_precision("bf16", CPU)
+    assert "set trainer.mixed_precision=no" in str(e.value)
+    assert precision.cpu_capability() in str(e.value)
+    precision.check_mixed_precision("no", CPU)  # float32 is always fine
+    precision.check_mixed_precision("bf16", torch.device("cuda", 0))  # a GPU's bf16 is not the CPU's
+
+
+def test_bf16_on_a_cpu_with_native_bf16_is_accepted(monkeypatch) -> None:
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    precision.check_mixed_precision("bf16", CPU)
+
+
+def test_the_trainer_process_checks_before_it_loads_anything(tmp_path) -> None:
+    """A real `pipeline-rl train` with bf16 on this CPU: without native bf16 it exits 1 within seconds,
+    before it needs Redis, a model or a server (none exist here), saying what to set; with native bf16 it
+    gets past the check and fails later, on the missing model."""
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "run_dir": str(tmp_path / "run"),
+                "model_path": str(tmp_path / "no-model"),
+                "trainer": {"mixed_precision": "bf16"},
+                "streams": {"backend": "redis", "redis_url": "redis://127.0.0.1:1/0"},
+            }
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline_rl.cli", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    refused = "set trainer.mixed_precision=no" in result.stderr
+    assert refused != precision.cpu_has_native_bf16(), result.stderr[-3000:]
