@@ -135,7 +135,7 @@ def precision_note() -> str:
         return ""
     return (
         " This CPU has no native bf16 (the machine line): the systems named bf16, and TRL, trained in "
-        "float32 here, since bf16 matmuls would run 50-160x slower (pipeline_rl/trainer/precision.py)."
+        "float32 here, since bf16 matmuls would run 50-115x slower (pipeline_rl/trainer/precision.py)."
     )
 
 

@@ -185,7 +185,7 @@ def run_trl(
     ]
     from pipeline_rl.trainer.precision import cpu_has_native_bf16
 
-    if not cpu_has_native_bf16():  # TRL's default is bf16, 50-160x slower in matmuls on such a CPU
+    if not cpu_has_native_bf16():  # TRL's default is bf16, 50-115x slower in matmuls on such a CPU
         cmd.append("--float32")
     ctx.log(f"trl: {' '.join(cmd[3:])}")
     env = {

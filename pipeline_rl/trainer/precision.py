@@ -1,11 +1,11 @@
 """Whether bf16 mixed precision pays on this machine's CPU: one check for the trainer and the benchmarks.
 
 torch runs bf16 matmuls on the CPU through oneDNN, which needs AVX-512 (or AMX) on x86 and BF16 on Arm.
-Without them (an AVX2-only x86) it falls back to a reference loop: on a 2-core AVX2 EPYC a 512x2560 by
-2560x2560 matmul took ~19 s in bf16 against ~0.12 s in float32 (160x), and the smaller one this module
-times 50x, so a bf16 step there takes minutes (docs/benchmarks.md, F19). See for yourself on any machine:
+Without them (an AVX2-only x86) it falls back to a slow path: on a 2-core AVX2 EPYC a 512x2560 by
+2560x2560 matmul took 18 s in bf16 against 0.16 s in float32 (114x), the default 256x1024 one 50-77x,
+so a bf16 step there takes minutes (docs/benchmarks.md, F19). See for yourself on any machine:
 
-    .venv/bin/python -m pipeline_rl.trainer.precision
+    .venv/bin/python -m pipeline_rl.trainer.precision [--rows 512 --width 2560]
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def cpu_has_native_bf16() -> bool:
 
 
 def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
-    """Refuse bf16 mixed precision on a CPU that has no native bf16: its matmuls would take 50-160x longer
+    """Refuse bf16 mixed precision on a CPU that has no native bf16: its matmuls would take 50-115x longer
     than in float32, a run that looks hung. Raises ValueError saying what to set instead."""
     if mixed_precision != "bf16" or device.type != "cpu" or cpu_has_native_bf16():
         return
     raise ValueError(
         f"trainer.mixed_precision=bf16 needs a CPU with native bf16 (AVX-512 or AMX on x86, BF16 on Arm); "
-        f"this one has {cpu_capability()}, where torch's bf16 matmuls run 50-160x slower than float32 "
+        f"this one has {cpu_capability()}, where torch's bf16 matmuls run 50-115x slower than float32 "
         "(python -m pipeline_rl.trainer.precision measures it): set trainer.mixed_precision=no"
     )
 
@@ -58,15 +58,21 @@ def matmul_seconds(dtype: torch.dtype, rows: int = 256, width: int = 1024, repea
         torch.set_num_threads(threads)
 
 
-def main() -> None:
-    fp32 = matmul_seconds(torch.float32)
-    bf16 = matmul_seconds(torch.bfloat16)
-    print(
-        f"torch CPU capability: {cpu_capability()}; native bf16: {'yes' if cpu_has_native_bf16() else 'no'}"
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="This CPU's bf16 support, and a matmul timed in both dtypes."
     )
-    print(
-        f"256x1024 @ 1024x1024 on one thread: float32 {fp32:.3f} s, bfloat16 {bf16:.3f} s ({bf16 / fp32:.1f}x)"
-    )
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--width", type=int, default=1024)
+    args = parser.parse_args(argv)
+    fp32 = matmul_seconds(torch.float32, args.rows, args.width)
+    bf16 = matmul_seconds(torch.bfloat16, args.rows, args.width)
+    shape = f"{args.rows}x{args.width} @ {args.width}x{args.width}"
+    native = "yes" if cpu_has_native_bf16() else "no"
+    print(f"torch CPU capability: {cpu_capability()}; native bf16: {native}")
+    print(f"{shape} on one thread: float32 {fp32:.3f} s, bfloat16 {bf16:.3f} s ({bf16 / fp32:.1f}x)")
 
 
 if __name__ == "__main__":
