@@ -154,13 +154,16 @@ def log_tail(path: str | os.PathLike | None, lines: int = 40) -> str:
         return "(no log)"
 
 
-def last_error_line(path: str | os.PathLike | None) -> str | None:
-    """The last line our logging wrote at ERROR level ("<name> ERROR <message>") in a log file: a child's
-    own reason for failing, which tracebacks of its wrappers (accelerate, torchrun) may follow for pages."""
+def last_error_line(path: str | os.PathLike | None, since: int = 0) -> str | None:
+    """The last line our logging wrote at ERROR level ("<name> ERROR <message>") in a log file after byte
+    `since`: a child's own reason for failing, which tracebacks of its wrappers (accelerate, torchrun)
+    may follow for pages. `since` skips what earlier starts of the child appended to the same log."""
     if path is None:
         return None
     try:
-        lines = Path(path).read_text(errors="replace").splitlines()
+        with open(path, "rb") as f:
+            f.seek(since)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
     return next((line.strip() for line in reversed(lines) if " ERROR " in line), None)

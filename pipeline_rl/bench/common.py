@@ -184,7 +184,7 @@ def mem_available_bytes() -> int:
 
 def bf16_text() -> str:
     """torch's vector instructions on this CPU and whether it runs bf16 natively: without, bf16 matmuls are
-    50-115x slower (pipeline_rl/trainer/precision.py), which changes what a benchmark can run."""
+    far slower (pipeline_rl/trainer/precision.py), which changes what a benchmark can run."""
     from pipeline_rl.trainer.precision import cpu_capability, cpu_has_native_bf16
 
     return f"{cpu_capability()}, {'native' if cpu_has_native_bf16() else 'no native'} bf16"

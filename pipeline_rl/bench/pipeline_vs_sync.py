@@ -129,13 +129,13 @@ def precision_fallback(variant: tuple[str, ...]) -> tuple[str, ...]:
 
 def precision_note() -> str:
     """The sentence a results section adds where precision_fallback applied (the CPU lacks native bf16)."""
-    from pipeline_rl.trainer.precision import cpu_has_native_bf16
+    from pipeline_rl.trainer.precision import BF16_FALLBACK_SLOWDOWN, cpu_has_native_bf16
 
     if cpu_has_native_bf16():
         return ""
     return (
-        " This CPU has no native bf16 (the machine line): the systems named bf16, and TRL, trained in "
-        "float32 here, since bf16 matmuls would run 50-115x slower (pipeline_rl/trainer/precision.py)."
+        " This CPU has no native bf16 (the machine line): the systems named bf16, and TRL, trained in float32 "
+        f"here, since bf16 matmuls ran {BF16_FALLBACK_SLOWDOWN} slower on such a CPU (pipeline_rl/trainer/precision.py)."
     )
 
 

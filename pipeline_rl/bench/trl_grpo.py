@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--float32",
         action="store_true",
-        help="train in float32, not TRL's default bf16 (for a CPU without native bf16, where it is 50-115x slower)",
+        help="train in float32, not TRL's default bf16 (for a CPU without native bf16, where it is far slower)",
     )
     args = p.parse_args(argv)
 

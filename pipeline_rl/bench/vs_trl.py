@@ -170,6 +170,7 @@ def run_trl(
     learning_rate: float = 1e-4,
 ) -> None:
     from pipeline_rl.launch.demo import DEMO_TASK
+    from pipeline_rl.trainer.precision import cpu_has_native_bf16
 
     cmd = [
         str(python),
@@ -183,9 +184,7 @@ def run_trl(
         f"--eval-every-s={eval_every_s}",
         f"--learning-rate={learning_rate}",
     ]
-    from pipeline_rl.trainer.precision import cpu_has_native_bf16
-
-    if not cpu_has_native_bf16():  # TRL's default is bf16, 50-115x slower in matmuls on such a CPU
+    if not cpu_has_native_bf16():  # TRL's default is bf16, far slower on such a CPU
         cmd.append("--float32")
     ctx.log(f"trl: {' '.join(cmd[3:])}")
     env = {

@@ -4,7 +4,8 @@
 
 Rules: conf/base.yaml holds the defaults and a `defaults:` map of groups; `group=name` picks
 conf/<group>/<name>.yaml; groups are merged into the base in the order of that map; then every
-`dotted.key=value` override is applied (value parsed as YAML: numbers, booleans, lists, null). The
+`dotted.key=value` override is applied (value parsed as YAML: numbers, booleans, lists, null; a field
+that takes strings only gets the text as typed, so `trainer.mixed_precision=no` is "no", not False). The
 result is validated once into RunConfig; every error names the key, the allowed values and the fix.
 """
 
@@ -13,9 +14,8 @@ from __future__ import annotations
 import copy
 import difflib
 import types
-import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -48,42 +48,37 @@ def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
     return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
 
 
-def _schema_keys(model: type[BaseModel], path: list[str]) -> list[str] | None:
-    """Field names at a dotted path of the schema, or None if the path leaves the schema."""
+def _schema_model(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    """The config model at a dotted path of the schema, or None if the path leaves the schema."""
     for part in path:
-        field = model.model_fields.get(part)
-        annotation = getattr(field, "annotation", None)
-        if field is None or not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        annotation = getattr(model.model_fields.get(part), "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         model = annotation
-    return sorted(model.model_fields)
+    return model
+
+
+def _schema_keys(model: type[BaseModel], path: list[str]) -> list[str] | None:
+    """Field names at a dotted path of the schema, or None if the path leaves the schema."""
+    found = _schema_model(model, path)
+    return None if found is None else sorted(found.model_fields)
 
 
 def _takes_only_strings(model: type[BaseModel], path: list[str]) -> bool:
     """Whether the field at a dotted path accepts strings only (and maybe None)."""
-    for part in path[:-1]:
-        annotation = getattr(model.model_fields.get(part), "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return False
-        model = annotation
-    field = model.model_fields.get(path[-1])
-    if field is None:
-        return False
-    return _only_strings(field.annotation)
+    parent = _schema_model(model, path[:-1])
+    field = None if parent is None else parent.model_fields.get(path[-1])
+    return field is not None and _only_strings(field.annotation)
 
 
 def _only_strings(annotation: Any) -> bool:
-    """str, a Literal of strings, or a union of those (None allowed: `null` stays None)."""
-    if annotation is str or annotation is type(None):
+    """str or Path, a Literal of strings, or a union of those (None allowed: `null` stays None)."""
+    if annotation in (str, Path, type(None)):
         return True
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Literal:
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
         return all(isinstance(arg, str) for arg in args)
-    return (
-        bool(args)
-        and typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        and all(_only_strings(arg) for arg in args)
-    )
+    return bool(args) and get_origin(annotation) in (Union, types.UnionType) and all(map(_only_strings, args))
 
 
 def _set_dotted(data: dict, key: str, raw: str) -> None:
@@ -101,9 +96,9 @@ def _set_dotted(data: dict, key: str, raw: str) -> None:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse the value of '{key}': {e}") from None
-    if isinstance(value, (bool, int, float)) and _takes_only_strings(RunConfig, parts):
-        # YAML reads no/yes/on/off as booleans and 1e-3 as a number: a string field gets what was typed
-        # (trainer.mixed_precision=no, a model_path named 2024).
+    if value is not None and not isinstance(value, str) and _takes_only_strings(RunConfig, parts):
+        # YAML reads no/yes/on/off as booleans, 2024 or 1.5 as numbers, 2024-01-01 as a date: a string
+        # field gets what was typed (trainer.mixed_precision=no, a model_path named 2024).
         value = raw
     node = data
     for part in parts[:-1]:

@@ -63,6 +63,7 @@ class Child:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
+        self.log_offset = 0  # where this start's output begins in the (appended) log
 
     @property
     def name(self) -> str:
@@ -75,6 +76,7 @@ class Child:
     def start(self, base_env: dict[str, str]) -> None:
         env = {**base_env, **self.spec.env, **self.spec.secret_env, "PYTHONUNBUFFERED": "1"}
         # Appended: a resumed run keeps the earlier runs' output in the same log.
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.proc = procs.start_child(
             self.spec.full_argv(), env=env, log_path=self.log_path, death_signal=self.death_signal
         )
@@ -110,6 +112,10 @@ class Child:
 
     def log_tail(self, lines: int = 30) -> str:
         return procs.log_tail(self.log_path, lines)
+
+    def last_error(self) -> str | None:
+        """The last ERROR line this start of the child logged (not an earlier start's)."""
+        return procs.last_error_line(self.log_path, since=self.log_offset)
 
 
 def write_command_file(spec: ProcessSpec, env: dict[str, str], path: Path, secrets_dir: Path) -> None:

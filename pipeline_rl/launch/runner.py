@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from inference_shim.procs import last_error_line, wait_healthy
+from inference_shim.procs import wait_healthy
 from pipeline_rl.config import RunConfig, public_config, secret_fields
 from pipeline_rl.fleet import write_fleet
 from pipeline_rl.launch.cluster import REDIS_LINGER_S, wait_other_clients_off
@@ -389,7 +389,7 @@ class Launcher:
             log = child.log_path
         print(f"\nERROR: {child.name} {what}. Last lines of {log}:", file=sys.stderr)
         print(child.log_tail(), file=sys.stderr)
-        reason = last_error_line(child.log_path)
+        reason = child.last_error() if isinstance(child, Child) else None
         if reason is not None:  # repeated last: a wrapper's traceback may have pushed it out of the tail
             print(f"\n{child.name}'s last error: {reason}", file=sys.stderr)
         print(

@@ -10,9 +10,13 @@ so a bf16 step there takes minutes (docs/benchmarks.md, F19). See for yourself o
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
+
+# How much slower torch's bf16 matmuls ran than float32 on an AVX2 EPYC (F19: 49.5x, 76.5x, 113.8x).
+BF16_FALLBACK_SLOWDOWN = "50-114x"
 
 
 def cpu_capability() -> str:
@@ -29,14 +33,14 @@ def cpu_has_native_bf16() -> bool:
 
 
 def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
-    """Refuse bf16 mixed precision on a CPU that has no native bf16: its matmuls would take 50-115x longer
-    than in float32, a run that looks hung. Raises ValueError saying what to set instead."""
+    """Refuse bf16 mixed precision on a CPU that has no native bf16: its matmuls would take many times
+    longer than in float32, a run that looks hung. Raises ValueError saying what to set instead."""
     if mixed_precision != "bf16" or device.type != "cpu" or cpu_has_native_bf16():
         return
     raise ValueError(
         f"trainer.mixed_precision=bf16 needs a CPU with native bf16 (AVX-512 or AMX on x86, BF16 on Arm); "
-        f"this one has {cpu_capability()}, where torch's bf16 matmuls run 50-115x slower than float32 "
-        "(python -m pipeline_rl.trainer.precision measures it): set trainer.mixed_precision=no"
+        f"this one has {cpu_capability()}, where torch's bf16 matmuls ran {BF16_FALLBACK_SLOWDOWN} slower than "
+        "float32 (python -m pipeline_rl.trainer.precision measures it): set trainer.mixed_precision=no"
     )
 
 
@@ -53,7 +57,7 @@ def matmul_seconds(dtype: torch.dtype, rows: int = 256, width: int = 1024, repea
             started = time.perf_counter()
             a @ b
             times.append(time.perf_counter() - started)
-        return sorted(times)[len(times) // 2]
+        return statistics.median(times)
     finally:
         torch.set_num_threads(threads)
 
@@ -64,8 +68,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="This CPU's bf16 support, and a matmul timed in both dtypes."
     )
-    parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--rows", type=int, default=256, help="rows of the left matrix")
+    parser.add_argument(
+        "--width", type=int, default=1024, help="columns of the left, both sides of the right"
+    )
     args = parser.parse_args(argv)
     fp32 = matmul_seconds(torch.float32, args.rows, args.width)
     bf16 = matmul_seconds(torch.bfloat16, args.rows, args.width)

@@ -8,20 +8,21 @@ import pytest
 from pipeline_rl.launch.compose import ConfigError, compose
 
 
-def test_a_string_field_gets_the_text_that_yaml_would_read_as_a_bool_or_number() -> None:
+def test_a_string_field_gets_the_text_that_yaml_would_read_as_a_bool_number_or_date() -> None:
     cfg = compose(
         [
             "trainer.mixed_precision=no",
             "inference.token=yes",
             "model_path=2024",
-            "run_dir=1e3",
-            "task.name=arith",
+            "run_dir=1.5",
+            "streams.files_dir=2024-01-01",
         ]
     )
     assert cfg.trainer.mixed_precision == "no"
     assert cfg.inference.token == "yes"  # str | None
     assert cfg.model_path == "2024"
-    assert cfg.run_dir == "1e3"
+    assert cfg.run_dir == "1.5"
+    assert str(cfg.streams.files_dir) == "2024-01-01"  # Path | None
 
 
 def test_other_fields_still_get_yaml_values() -> None:

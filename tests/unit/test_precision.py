@@ -6,6 +6,7 @@ machine's CPU, whichever it is, and checks that it fails fast with the fix in it
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -52,7 +53,12 @@ def test_the_trainer_process_checks_before_it_loads_anything(tmp_path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # the CPU's check, on a GPU host too
     )
     assert result.returncode != 0
-    refused = "set trainer.mixed_precision=no" in result.stderr
-    assert refused != precision.cpu_has_native_bf16(), result.stderr[-3000:]
+    if precision.cpu_has_native_bf16():
+        assert "set trainer.mixed_precision=no" not in result.stderr
+        assert "no-model" in result.stderr, result.stderr[-3000:]  # got past the check, to the model
+    else:
+        assert "set trainer.mixed_precision=no" in result.stderr, result.stderr[-3000:]
+        assert "no-model" not in result.stderr  # refused before it looked for the model

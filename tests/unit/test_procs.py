@@ -123,8 +123,12 @@ def test_last_error_line_finds_the_childs_reason_above_its_wrappers_traceback(tm
         == "2026-11-27 19:06:14,438 trainer[0] pipeline_rl.trainer ERROR trainer failed: ValueError: set x=no"
     )
     assert "trainer failed" not in log_tail(log, 30)  # why the launcher repeats it below the tail
-    log.write_text("INFO all well\n")
-    assert last_error_line(log) is None
+    # A restart appends to the same log: its own start offset hides the earlier start's error.
+    restarted_at = log.stat().st_size
+    with log.open("a") as f:
+        f.write("2026-11-27 19:10:00,000 trainer[0] pipeline_rl.trainer INFO rank 0/1 ready\n")
+    assert last_error_line(log, since=restarted_at) is None
+    assert "set x=no" in last_error_line(log)
 
 
 def test_wait_healthy_returns_once_health_answers_and_times_out_otherwise(tmp_path: Path) -> None:

@@ -493,8 +493,8 @@ def test_every_demo_recipe_composes_and_its_longest_answer_fits_the_context(name
 
 
 def test_the_demo_notes_a_warm_up_far_below_the_readmes(capsys) -> None:
-    """A warm-up that learned much less arithmetic than the README's runs (another CPU's rounding, 52.5%
-    against 88.5% on an AVX2 EPYC) is named, with what it means for RL; one at the README's level is not."""
+    """A warm-up that learned much less arithmetic than the README's runs (52.5% on an AVX2 EPYC against
+    88.5% on AVX-512) is named, with what it means for RL; one at the README's level is not."""
     from pipeline_rl.launch.demo import RECIPES, _note_if_below_readme
 
     _note_if_below_readme(RECIPES["arith"], {"accuracy": 0.0, "number_accuracy": 0.525})
