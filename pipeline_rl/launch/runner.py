@@ -389,7 +389,7 @@ class Launcher:
             log = child.log_path
         print(f"\nERROR: {child.name} {what}. Last lines of {log}:", file=sys.stderr)
         print(child.log_tail(), file=sys.stderr)
-        reason = child.last_error() if isinstance(child, Child) else None
+        reason = child.last_error()
         if reason is not None:  # repeated last: a wrapper's traceback may have pushed it out of the tail
             print(f"\n{child.name}'s last error: {reason}", file=sys.stderr)
         print(

@@ -153,6 +153,10 @@ class RedisUnit:
     def log_tail(self, lines: int = 30) -> str:
         return procs.log_tail(self.log_path, lines)
 
+    def last_error(self) -> str | None:
+        """Redis's log has no lines of our logging's ERROR format: its tail says it all."""
+        return None
+
     def restart(self) -> None:
         """Same port, same password, same data directory: clients reconnect (their calls retry for
         streams.retry_deadline_s) and find what the server had acknowledged."""
