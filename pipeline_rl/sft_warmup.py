@@ -48,6 +48,7 @@ class WarmupConfig(BaseModel):
     steps: int = Field(300, ge=0, description="Optimizer steps.")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
     learning_rate: float = Field(3e-3, gt=0, description="AdamW learning rate (cosine decay to 10%).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     seed: int = Field(0, description="Data and init seed.")
     eval_problems: int = Field(200, ge=1, description="Held-out problems for the accuracy figure.")
     eval_max_tokens: int = Field(16, ge=1, description="Tokens of a greedy answer in that measurement.")
@@ -176,7 +177,7 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
     task = make_task(task_cfg)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, cfg.steps)))
     )

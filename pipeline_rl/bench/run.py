@@ -12,6 +12,7 @@ docs/benchmarks.md with the exact command, save raw JSON under artifacts/bench/.
     pipeline-rl bench vs-trl               # 9. TRL's GRPOTrainer vs our pipelined and sync modes (own venv)
     pipeline-rl bench lag                  # 10. pipelined learning per second and per sample vs max_lag, KV policy
     pipeline-rl bench engine-profile       # 11. py-spy of a vLLM-CPU server's processes at the demo's load
+    pipeline-rl bench warmup-seeds         # 12. the demo's supervised warm-up across seeds, with and without decay
     pipeline-rl bench all                  # every one, in that order, sharing servers
     pipeline-rl bench inflight streams     # several, sharing servers
     pipeline-rl bench shim --quick         # tiny sizes: a smoke test (writes artifacts/bench-quick/)
@@ -97,6 +98,12 @@ def _engine_profile(ctx: BenchContext) -> dict:
     return engine_profile.run(ctx)
 
 
+def _warmup_seeds(ctx: BenchContext) -> dict:
+    from pipeline_rl.bench import warmup_seeds
+
+    return warmup_seeds.run(ctx)
+
+
 def _trainer_step(ctx: BenchContext) -> dict:
     from pipeline_rl.bench import trainer_step
 
@@ -115,6 +122,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "vs-trl": _vs_trl,
     "lag": _lag,
     "engine-profile": _engine_profile,
+    "warmup-seeds": _warmup_seeds,
 }
 
 
@@ -175,9 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         "vs-trl: demo,25m,100m",
     )
     g.add_argument("--buckets-mib", default=None, help="bucket sizes to sweep, e.g. 16,64,256")
-    g = p.add_argument_group("pipeline-vs-sync, vs-trl, lag")
+    g = p.add_argument_group("pipeline-vs-sync, vs-trl, lag, warmup-seeds")
     g.add_argument(
-        "--seeds", type=int, default=None, help="runs per mode, seeds 0..N-1 (default 3; 1 with --quick)"
+        "--seeds",
+        type=int,
+        default=None,
+        help="runs per mode, seeds 0..N-1 (default 3; 1 with --quick, warmup-seeds 2)",
     )
     g.add_argument(
         "--first-seed",
@@ -195,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe",
         default=None,
         choices=["arith", "remainder"],
-        help="pipeline-vs-sync: the demo recipe to run (default arith; remainder: long answers)",
+        help="pipeline-vs-sync, warmup-seeds: the demo recipe to run (default arith; remainder: long answers)",
     )
     g.add_argument(
         "--systems",

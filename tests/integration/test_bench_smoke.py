@@ -97,7 +97,7 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-8:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-9:] == [
         "streams",
         "shim",
         "multihost",
@@ -106,6 +106,7 @@ def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> Non
         "vs-trl",
         "lag",
         "engine-profile",
+        "warmup-seeds",
     ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"
 
@@ -461,3 +462,29 @@ def test_engine_profile_puts_each_process_and_stack_in_its_category() -> None:
         "main (m.py:1);Runner.run (a.py:1);StreamingResponse.__call__ (s.py:1) 4\nbad line\n"
     )
     assert role == "shim (API)" and counts == {"HTTP + SSE streaming": 4}
+
+
+@pytest.mark.slow
+def test_warmup_seeds_runs_each_variant_at_each_seed(tmp_path: Path) -> None:
+    """`bench warmup-seeds --quick` runs the demo's real warm-up (3 steps) per variant and seed in worker
+    processes and publishes one row per variant with every seed's figure."""
+    doc, out = tmp_path / "bench.md", tmp_path / "out"
+    args = ["warmup-seeds", "--quick", "--seeds", "2", "--first-seed", "4", "--doc", str(doc)]
+    result = _bench(*args, "--out-dir", str(out), timeout_s=600, log_path=tmp_path / "bench.log")
+    assert result.returncode == 0, _failure_excerpt(result.stdout)
+    saved = json.loads((out / "warmup_seeds.json").read_text())
+    runs = saved["runs"]
+    assert saved["failures"] == []
+    from pipeline_rl.launch.demo import DEMO_WARMUP
+
+    assert DEMO_WARMUP.weight_decay > 0, "the variant without decay would compare the recipe with itself"
+    assert {name: sorted(r["seed"] for r in rows) for name, rows in runs.items()} == {
+        "recipe": [4, 5],
+        "without decay": [4, 5],
+    }
+    assert {r["weight_decay"] for r in runs["recipe"]} == {DEMO_WARMUP.weight_decay}
+    assert {r["weight_decay"] for r in runs["without decay"]} == {0.0}
+    assert all(r["steps"] == 3 and 0 <= r["number_accuracy"] <= 1 for rows in runs.values() for r in rows)
+    text = doc.read_text()
+    assert "<!-- bench:warmup-seeds:start -->" in text and "| sum right in any format, per seed" in text
+    assert "| recipe " in text and "| without decay " in text and "4: " in text and "5: " in text

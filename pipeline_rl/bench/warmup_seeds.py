@@ -1,0 +1,151 @@
+"""Benchmark 12: how much the demo's supervised warm-up depends on chance (`pipeline-rl bench warmup-seeds`).
+
+A new user's `make demo` starts RL from the warm-up's model, and RL sharpens the arithmetic that model
+learned. So the warm-up's held-out "sum right in any format" must be a property of the recipe, not of the
+seed or of the CPU's rounding order (which differs between CPU kinds: docs/benchmarks.md F19, F20). This
+runs the recipe's warm-up (pipeline_rl/sft_warmup.warm_up, exactly what `make demo` runs) at several seeds,
+and for arith the same with the weight decay off and its previous 500 steps, side by side; one worker
+process per core, each on one thread as the warm-up always is. A seed changes the data order and the
+answer styles drawn; the initial weights are the recipe's base model in every run.
+
+    pipeline-rl bench warmup-seeds --seeds 3            # seeds 0-2 of each variant
+    pipeline-rl bench warmup-seeds --recipe remainder   # the long-answer recipe's warm-up
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from pipeline_rl.bench.common import (
+    BenchContext,
+    failures_note,
+    first_seed,
+    fmt,
+    goal_line,
+    markdown_table,
+    median,
+    publish,
+    section,
+    seeds_text,
+)
+
+# What each variant changes in the recipe's warm-up. "without decay" is the arith demo's warm-up before
+# 2026-11-27 22:40 (500 steps, no weight decay), kept as the comparison that shows what decay buys; the
+# other recipes run as they are.
+VARIANTS = {"recipe": {}, "without decay": {"weight_decay": 0.0, "steps": 500}}
+# --quick: a smoke test of the machinery, not of the recipe.
+QUICK = {"steps": 3, "eval_problems": 8}
+# The spread across seeds a new user can live with: a README range of ~15 points is still one story.
+MAX_SPREAD_POINTS = 15
+
+
+def servers_needed(ctx: BenchContext) -> list:
+    return []
+
+
+def _one_warmup(recipe_name: str, base_dir: str, changes: dict, seed: int) -> dict:
+    """One warm-up in a worker process: the recipe's task from base_dir's model, its warm-up with `changes`."""
+    from pipeline_rl.launch.demo import RECIPES
+    from pipeline_rl.sft_warmup import warm_up
+
+    recipe = RECIPES[recipe_name]
+    cfg = recipe.warmup.model_copy(update={**changes, "seed": seed})
+    with tempfile.TemporaryDirectory() as out:
+        result = warm_up(base_dir, out, recipe.task, cfg)
+    return {
+        "seed": seed,
+        "number_accuracy": result["number_accuracy"],
+        "accuracy": result["accuracy"],
+        "seconds": result["seconds"],
+        "final_loss": result["final_loss"],
+        "steps": cfg.steps,
+        "weight_decay": cfg.weight_decay,
+    }
+
+
+def run(ctx: BenchContext) -> dict:
+    from pipeline_rl.launch.demo import RECIPES, build_tiny_model
+
+    recipe_name = ctx.options.get("recipe") or "arith"
+    recipe = RECIPES[recipe_name]
+    seeds = ctx.options.get("seeds") or (2 if ctx.quick else 3)
+    first = first_seed(ctx)
+    # The recipe's base model, built (seeded: the same weights as `make demo` builds) beside the results,
+    # so a demo reading artifacts/ is never disturbed.
+    base = build_tiny_model(ctx.out_dir / f"warmup-seeds-{recipe.base_dir}", recipe.model)
+    variants = VARIANTS if recipe_name == "arith" else {"recipe": {}}
+    jobs = [
+        (name, {**changes, **(QUICK if ctx.quick else {})}, seed)
+        for seed in range(first, first + seeds)
+        for name, changes in variants.items()
+    ]
+    workers = min(len(jobs), multiprocessing.cpu_count())
+    ctx.log(f"{len(jobs)} warm-ups of {recipe_name}, {workers} at a time, one thread each")
+    results: dict[str, list[dict]] = {name: [] for name in variants}
+    failures: list[str] = []
+    started = time.monotonic()
+    # spawn: a fresh interpreter per worker, so no torch state (threads, RNG) leaks in from this process.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {
+            pool.submit(_one_warmup, recipe_name, str(base), changes, seed): (name, seed)
+            for name, changes, seed in jobs
+        }
+        for future in as_completed(futures):
+            name, seed = futures[future]
+            try:
+                measured = future.result()
+            except Exception as exc:  # one failed warm-up is recorded; the others still count
+                failures.append(f"{name} seed {seed}: {exc}")
+                ctx.log(f"{name} seed {seed} FAILED (the others go on): {exc}")
+            else:
+                results[name].append(measured)
+                ctx.log(f"{name} seed {seed}: sum right {measured['number_accuracy']:.1%}")
+            # Saved after every warm-up: a run stopped halfway keeps what it measured.
+            ctx.save_json("warmup_seeds", {"recipe": recipe_name, "runs": results, "failures": failures})
+    finally:  # Ctrl-C or the bench's SIGTERM: drop the queued warm-ups instead of waiting for them
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    rows = []
+    for name, runs in results.items():
+        runs.sort(key=lambda r: r["seed"])
+        numbers = [r["number_accuracy"] for r in runs]
+        rows.append(
+            [
+                name,
+                f"{runs[0]['steps']} / {runs[0]['weight_decay']}" if runs else "-",
+                ", ".join(f"{r['seed']}: {r['number_accuracy']:.1%}" for r in runs) or "-",
+                f"{min(numbers):.1%}-{max(numbers):.1%}" if numbers else "-",
+                f"{median(numbers):.1%}" if numbers else "-",
+                fmt(median([r["seconds"] for r in runs])) if runs else "-",
+            ]
+        )
+    table = markdown_table(
+        [
+            "variant",
+            "steps / weight decay",
+            "sum right in any format, per seed",
+            "range",
+            "median",
+            "seconds (median)",
+        ],
+        rows,
+    )
+    recipe_numbers = [r["number_accuracy"] for r in results["recipe"]]
+    spread_points = round(100 * (max(recipe_numbers) - min(recipe_numbers)), 1) if recipe_numbers else None
+    goal = goal_line(
+        f"the recipe's warm-up lands within {MAX_SPREAD_POINTS} points across seeds",
+        None if len(recipe_numbers) < 2 else spread_points <= MAX_SPREAD_POINTS,
+        f"Spread {spread_points} points." if len(recipe_numbers) >= 2 else "Fewer than two seeds finished.",
+    )
+    intro = (
+        f"The {recipe_name} recipe's supervised warm-up (what `make demo` runs first), {seeds_text(ctx, seeds)} per "
+        f"variant, {workers} at a time on one thread each, {time.monotonic() - started:.0f} s in all. 'Sum right "
+        "in any format' grades the last integer of each greedy held-out answer: the arithmetic RL can sharpen."
+        + failures_note(failures)
+    )
+    publish(ctx, "warmup-seeds", section(ctx, "12. Warm-up across seeds", intro, [table], [goal]))
+    return {"runs": results, "failures": failures}
