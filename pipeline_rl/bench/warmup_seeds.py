@@ -14,10 +14,10 @@ answer styles drawn; the initial weights are the recipe's base model in every ru
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from pipeline_rl.bench.common import (
     BenchContext,
@@ -40,6 +40,7 @@ VARIANTS = {"recipe": {}, "without decay": {"weight_decay": 0.0, "steps": 500}}
 QUICK = {"steps": 3, "eval_problems": 8}
 # The spread across seeds a new user can live with: a README range of ~15 points is still one story.
 MAX_SPREAD_POINTS = 15
+ROUND_DEADLINE_S = 3600
 
 
 def servers_needed(ctx: BenchContext) -> list:
@@ -87,17 +88,22 @@ def run(ctx: BenchContext) -> dict:
     results: dict[str, list[dict]] = {name: [] for name in variants}
     failures: list[str] = []
     started = time.monotonic()
+    # One deadline for all: an hour per round of `workers` warm-ups, 4-6x the slowest measured (remainder's
+    # ~16 min), so a hung or killed worker fails the bench instead of holding it forever.
+    deadline = time.monotonic() + ROUND_DEADLINE_S * math.ceil(len(jobs) / workers)
     # spawn: a fresh interpreter per worker, so no torch state (threads, RNG) leaks in from this process.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        futures = {
-            pool.submit(_one_warmup, recipe_name, str(base), changes, seed): (name, seed)
+    # Leaving the `with` terminates the workers: on an error, Ctrl-C or the bench's SIGTERM none runs on.
+    with multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) as pool:
+        pending = [
+            (name, seed, pool.apply_async(_one_warmup, (recipe_name, str(base), changes, seed)))
             for name, changes, seed in jobs
-        }
-        for future in as_completed(futures):
-            name, seed = futures[future]
+        ]
+        for name, seed, result in pending:
             try:
-                measured = future.result()
+                measured = result.get(timeout=max(0.0, deadline - time.monotonic()))
+            except multiprocessing.TimeoutError:
+                failures.append(f"{name} seed {seed}: not finished by the bench's deadline")
+                ctx.log(f"{name} seed {seed} FAILED: not finished by the deadline (worker hung or killed)")
             except Exception as exc:  # one failed warm-up is recorded; the others still count
                 failures.append(f"{name} seed {seed}: {exc}")
                 ctx.log(f"{name} seed {seed} FAILED (the others go on): {exc}")
@@ -106,8 +112,6 @@ def run(ctx: BenchContext) -> dict:
                 ctx.log(f"{name} seed {seed}: sum right {measured['number_accuracy']:.1%}")
             # Saved after every warm-up: a run stopped halfway keeps what it measured.
             ctx.save_json("warmup_seeds", {"recipe": recipe_name, "runs": results, "failures": failures})
-    finally:  # Ctrl-C or the bench's SIGTERM: drop the queued warm-ups instead of waiting for them
-        pool.shutdown(wait=True, cancel_futures=True)
 
     rows = []
     for name, runs in results.items():
