@@ -40,8 +40,8 @@ DEMO_MODEL = TinyModelSpec(
 # docs/decisions.md ("The demo") has the measurements and what this does and does not show.
 DEMO_TASK = TaskConfig(name="arith", arith_num_operands=2, arith_max_operand=29, arith_operators="+")
 # Weight decay and 600 steps make the warm-up's held-out arithmetic a property of the recipe rather than of
-# the rounding: without decay, 500 steps gave 52.5-95.5% sums right across seeds and CPU kinds; with them
-# 84.5-99.5% (docs/benchmarks.md F20).
+# the rounding: without decay, 500 steps gave 21.5-95.5% sums right across seeds and CPU kinds; with them
+# 84.5-100% (docs/benchmarks.md F20).
 DEMO_WARMUP = WarmupConfig(
     steps=600,
     batch_size=64,
