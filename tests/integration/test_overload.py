@@ -123,6 +123,7 @@ def _run_flood(url: str, on_start) -> list[tuple[int | str, float]]:
         child.join(timeout=10)
         if child.is_alive():
             child.kill()
+            child.join(timeout=10)
 
 
 def test_thousand_concurrent_requests_health_and_update(tmp_path):
