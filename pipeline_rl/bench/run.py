@@ -223,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         "demo's layout before 2026-11-26 23:00); repeatable",
     )
     g.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="warmup-seeds: the steps of every variant's warm-up (default: each variant's own; 3 with --quick)",
+    )
+    g.add_argument(
         "--lags", default=None, help="lag: the actor.max_lag values to run, e.g. 0,2,8 (default 0,1,2,4,8)"
     )
     g = p.add_argument_group("multihost")
@@ -273,6 +279,7 @@ def _options(args: argparse.Namespace) -> dict:
         "recipe": args.recipe,
         "systems": args.systems.split(",") if args.systems else None,
         "lags": ints(args.lags),
+        "warmup_steps": args.warmup_steps,
         "overrides": args.override,
     }
     return {k: v for k, v in options.items() if v is not None}

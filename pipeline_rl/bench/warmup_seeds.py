@@ -10,6 +10,10 @@ answer styles drawn; the initial weights are the recipe's base model in every ru
 
     pipeline-rl bench warmup-seeds --seeds 3            # seeds 0-2 of each variant
     pipeline-rl bench warmup-seeds --recipe remainder   # the long-answer recipe's warm-up
+    pipeline-rl bench warmup-seeds --warmup-steps 300   # every variant at 300 steps
+
+A warm-up whose worker dies (OOM, kill -9) is reported failed as soon as it dies and the others go on
+(tests/integration/test_bench_smoke.py kills one); one that runs past WARMUP_TIMEOUT_S is killed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import multiprocessing
 import tempfile
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from pipeline_rl.bench.common import (
     BenchContext,
@@ -31,6 +36,7 @@ from pipeline_rl.bench.common import (
     section,
     seeds_text,
 )
+from pipeline_rl.tasks.pool import CallTimeout, TimeoutPool, WorkerDied
 
 # What each variant changes in the recipe's warm-up. "without decay" is the arith demo's warm-up before
 # 2026-11-27 22:40 (500 steps, no weight decay), kept as the comparison that shows what decay buys; the
@@ -40,7 +46,8 @@ VARIANTS = {"recipe": {}, "without decay": {"weight_decay": 0.0, "steps": 500}}
 QUICK = {"steps": 3, "eval_problems": 8}
 # The spread across seeds a new user can live with: a README range of ~15 points is still one story.
 MAX_SPREAD_POINTS = 15
-ROUND_DEADLINE_S = 3600
+# One warm-up's limit, from when its worker starts it: 4-6x the slowest measured (remainder's ~16 min).
+WARMUP_TIMEOUT_S = 3600
 
 
 def servers_needed(ctx: BenchContext) -> list:
@@ -78,32 +85,43 @@ def run(ctx: BenchContext) -> dict:
     # so a demo reading artifacts/ is never disturbed.
     base = build_tiny_model(ctx.out_dir / f"warmup-seeds-{recipe.base_dir}", recipe.model)
     variants = VARIANTS if recipe_name == "arith" else {"recipe": {}}
+    steps = {"steps": ctx.options["warmup_steps"]} if ctx.options.get("warmup_steps") else {}
     jobs = [
-        (name, {**changes, **(QUICK if ctx.quick else {})}, seed)
+        (name, {**changes, **(QUICK if ctx.quick else {}), **steps}, seed)
         for seed in range(first, first + seeds)
         for name, changes in variants.items()
     ]
+    for _, changes, _ in jobs:  # a bad --warmup-steps fails here, with pydantic's message, not in a worker
+        type(recipe.warmup).model_validate({**recipe.warmup.model_dump(), **changes})
     workers = min(len(jobs), multiprocessing.cpu_count())
     ctx.log(f"{len(jobs)} warm-ups of {recipe_name}, {workers} at a time, one thread each")
     results: dict[str, list[dict]] = {name: [] for name in variants}
     failures: list[str] = []
     started = time.monotonic()
-    # One deadline for all: an hour per round of `workers` warm-ups, 4-6x the slowest measured (remainder's
-    # ~16 min), so a hung or killed worker fails the bench instead of holding it forever.
-    deadline = time.monotonic() + ROUND_DEADLINE_S * math.ceil(len(jobs) / workers)
-    # spawn: a fresh interpreter per worker, so no torch state (threads, RNG) leaks in from this process.
-    # Leaving the `with` terminates the workers: on an error, Ctrl-C or the bench's SIGTERM none runs on.
-    with multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) as pool:
+    # Each warm-up has its hour from when it starts (a worker that hangs is killed then, one that dies
+    # fails its warm-up at once, the others go on); the whole bench has the hours of its rounds.
+    deadline = time.monotonic() + WARMUP_TIMEOUT_S * (math.ceil(len(jobs) / workers) + 1)
+    # Spawned workers (tasks/pool.py): no torch state (threads, RNG) leaks in from this process, and every
+    # warm-up seeds its own RNGs and threads. Leaving the `with` kills the workers: on an error, Ctrl-C
+    # or the bench's SIGTERM none runs on.
+    with TimeoutPool(workers, preload=("pipeline_rl.sft_warmup",), name="warmup") as pool:
         pending = [
-            (name, seed, pool.apply_async(_one_warmup, (recipe_name, str(base), changes, seed)))
+            (
+                name,
+                seed,
+                pool.submit(_one_warmup, recipe_name, str(base), changes, seed, timeout_s=WARMUP_TIMEOUT_S),
+            )
             for name, changes, seed in jobs
         ]
-        for name, seed, result in pending:
+        for name, seed, future in pending:
             try:
-                measured = result.get(timeout=max(0.0, deadline - time.monotonic()))
-            except multiprocessing.TimeoutError:
-                failures.append(f"{name} seed {seed}: not finished by the bench's deadline")
-                ctx.log(f"{name} seed {seed} FAILED: not finished by the deadline (worker hung or killed)")
+                measured = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (FutureTimeout, CallTimeout) as exc:
+                failures.append(f"{name} seed {seed}: not finished in time ({exc or 'the bench deadline'})")
+                ctx.log(f"{name} seed {seed} FAILED: not finished in time (the others go on)")
+            except WorkerDied as exc:
+                failures.append(f"{name} seed {seed}: its worker process died ({exc})")
+                ctx.log(f"{name} seed {seed} FAILED: its worker process died, {exc} (the others go on)")
             except Exception as exc:  # one failed warm-up is recorded; the others still count
                 failures.append(f"{name} seed {seed}: {exc}")
                 ctx.log(f"{name} seed {seed} FAILED (the others go on): {exc}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -488,3 +489,41 @@ def test_warmup_seeds_runs_each_variant_at_each_seed(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "<!-- bench:warmup-seeds:start -->" in text and "| sum right in any format, per seed" in text
     assert "| recipe " in text and "| without decay " in text and "4: " in text and "5: " in text
+
+
+@pytest.mark.slow
+def test_warmup_seeds_a_killed_worker_fails_its_warmup_and_the_other_finishes(tmp_path: Path) -> None:
+    """kill -9 one of the two warm-up workers mid warm-up: that warm-up is reported failed when its worker
+    dies (not at the bench's hour-long deadline), the other one finishes, and the section names the failure."""
+    import psutil
+
+    doc, out, log = tmp_path / "bench.md", tmp_path / "out", tmp_path / "bench.log"
+    args = ["warmup-seeds", "--quick", "--seeds", "1", "--first-seed", "4", "--warmup-steps", "50"]
+    cmd = [sys.executable, "-m", "pipeline_rl.cli", "bench", *args, "--doc", str(doc), "--out-dir", str(out)]
+    proc = start_child(cmd, log_path=log, cwd=REPO)
+    try:
+        # Two jobs on two workers: both are inside a warm-up once one has printed its step 25 of 50.
+        deadline = time.monotonic() + 300
+        while "warm-up step 25/50" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, f"the bench exited early:\n{log_tail(log, 60)}"
+            assert time.monotonic() < deadline, f"no warm-up reached step 25 in 300 s:\n{log_tail(log, 60)}"
+            time.sleep(0.5)
+        workers = [
+            child
+            for child in psutil.Process(proc.pid).children(recursive=True)
+            if "spawn_main" in " ".join(child.cmdline())
+        ]
+        assert len(workers) == 2, [c.cmdline() for c in workers]
+        workers[0].kill()
+        proc.wait(timeout=300)
+    finally:
+        stop_process_tree(proc)
+    assert proc.returncode == 0, log_tail(log, 80)
+    saved = json.loads((out / "warmup_seeds.json").read_text())
+    assert len(saved["failures"]) == 1 and "its worker process died" in saved["failures"][0], saved[
+        "failures"
+    ]
+    assert "exit code -9" in saved["failures"][0], saved["failures"]
+    finished = [r for rows in saved["runs"].values() for r in rows]
+    assert len(finished) == 1 and finished[0]["steps"] == 50 and finished[0]["seed"] == 4, saved["runs"]
+    assert "1 run(s) failed and are left out" in doc.read_text()
