@@ -46,7 +46,7 @@ POLL_MAX_S = FLOOD_DEADLINE_S + 120  # the poller stops by itself if this test n
 
 @contextlib.contextmanager
 def _child(name: str, target, *args):
-    """A spawned child running target(*args, started, results); yields (results queue, stop event) once
+    """A spawned child running target(*args, started, stop, results); yields (results, stop) once
     it has set `started`. On exit: joined, or killed after 10 s."""
     ctx = mp.get_context("spawn")
     started, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
