@@ -85,7 +85,7 @@ def run(ctx: BenchContext) -> dict:
     # so a demo reading artifacts/ is never disturbed.
     base = build_tiny_model(ctx.out_dir / f"warmup-seeds-{recipe.base_dir}", recipe.model)
     variants = VARIANTS if recipe_name == "arith" else {"recipe": {}}
-    steps = {"steps": ctx.options["warmup_steps"]} if ctx.options.get("warmup_steps") else {}
+    steps = {"steps": ctx.options["warmup_steps"]} if "warmup_steps" in ctx.options else {}  # 0 counts
     jobs = [
         (name, {**changes, **(QUICK if ctx.quick else {}), **steps}, seed)
         for seed in range(first, first + seeds)
@@ -99,7 +99,8 @@ def run(ctx: BenchContext) -> dict:
     failures: list[str] = []
     started = time.monotonic()
     # Each warm-up has its hour from when it starts (a worker that hangs is killed then, one that dies
-    # fails its warm-up at once, the others go on); the whole bench has the hours of its rounds.
+    # fails its warm-up at once, the others go on); the whole bench has the hours of its rounds, plus
+    # one for worker starts and the replacement of a dead worker.
     deadline = time.monotonic() + WARMUP_TIMEOUT_S * (math.ceil(len(jobs) / workers) + 1)
     # Spawned workers (tasks/pool.py): no torch state (threads, RNG) leaks in from this process, and every
     # warm-up seeds its own RNGs and threads. Leaving the `with` kills the workers: on an error, Ctrl-C
@@ -117,7 +118,9 @@ def run(ctx: BenchContext) -> dict:
             try:
                 measured = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except (FutureTimeout, CallTimeout) as exc:
-                failures.append(f"{name} seed {seed}: not finished in time ({exc or 'the bench deadline'})")
+                failures.append(
+                    f"{name} seed {seed}: not finished in time ({str(exc) or 'the bench deadline'})"
+                )
                 ctx.log(f"{name} seed {seed} FAILED: not finished in time (the others go on)")
             except WorkerDied as exc:
                 failures.append(f"{name} seed {seed}: its worker process died ({exc})")
