@@ -6,6 +6,8 @@ shards through the `fetch` callback). Ordering contract:
     sender = WeightSender(urls, token=..., backend="gloo")   # nothing happens yet
     sender.connect()        # hosts the TCPStore, asks each server to join, joins as rank 0
     sender.push(version, metas, fetch)   # after EVERY optimizer step; version strictly increasing
+    sender.push(version, metas, fetch, settle=False)   # returns once the bytes are sent; then
+    sender.settle()         # waits for the servers' results (the next push() calls it first)
     sender.reconnect()      # only after a failed push: every server leaves the broken group, a new one forms
     sender.reconnect(urls)  # the same with other servers (membership changes only when a group forms)
     sender.close()
@@ -15,7 +17,10 @@ collective); 2) if all accepted, write "go" to the decision key, else "abort" an
 servers that refused (every value this sender writes is signed with `token` and every result it reads
 must be signed with it: protocol.sign_value; so all servers of one sender share one token); 3) broadcast the buckets (fetch(indices) returns full tensors for one bucket, so
 sharded trainers never materialize the whole model); 4) wait for every server's result key and raise,
-naming the server, if any failed or stayed silent past the deadline.
+naming the server, if any failed or stayed silent past the deadline. With settle=False, step 4 is left
+to settle(): the servers load and swap the new weights while the caller goes on (a trainer computes
+its next step); settle() raises what step 4 would have raised, and the next push() settles first, so a
+server is never asked for an update while it still applies the previous one.
 
 Wire formats (chosen in connect() from every server's /capabilities `transports`, never from its
 backend name): "<backend>" is the contract's own (group under the store prefix "<group_name>/pg", a
@@ -26,6 +31,7 @@ packed back to back). One group has one format, so every server must offer the o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -83,12 +89,27 @@ class PushReport:
     num_buckets: int
     request_seconds: float
     broadcast_seconds: float
-    total_seconds: float
-    results: list[UpdateResult]
+    total_seconds: float  # from the request to every server's result (settled) or to the return (not)
+    results: list[UpdateResult]  # empty until settled
+    settled: bool = True  # False: push(settle=False) returned before the results; settle() has them
+
+    @property
+    def blocked_seconds(self) -> float:
+        """How long push() held its caller: the request and the transfer, plus the results if settled."""
+        return self.total_seconds if self.settled else self.request_seconds + self.broadcast_seconds
 
     @property
     def max_pause_seconds(self) -> float:
-        return max(r.pause_seconds for r in self.results)
+        return max((r.pause_seconds for r in self.results), default=0.0)
+
+
+@dataclass
+class _PendingPush:
+    """A push whose bytes are sent and whose results are not yet read (push(settle=False))."""
+
+    report: PushReport
+    update_id: str
+    started: float  # perf_counter at the request
 
 
 class WeightSender:
@@ -126,6 +147,7 @@ class WeightSender:
             max_workers=max(2, len(server_urls)), thread_name_prefix="weight-sender"
         )
         self._buffers: list[torch.Tensor] = []
+        self._pending: _PendingPush | None = None
 
     # ------------------------------------------------------------------ group
     def connect(self) -> None:
@@ -202,6 +224,9 @@ class WeightSender:
         return failed
 
     def close(self) -> None:
+        if self._pending is not None:  # the servers finish applying it on their own
+            log.info("closing with version %d not settled", self._pending.report.version)
+            self._pending = None
         for client in self.clients:
             try:
                 client.destroy_process_group()
@@ -228,6 +253,7 @@ class WeightSender:
         update_in_progress), drops this side, and runs connect() again. Raises WeightPushError naming
         the servers that could not leave.
         """
+        self._settle_quietly()  # a server still applying would answer 409 to the request to leave
         if server_urls is not None:
             stay = {u.rstrip("/") for u in server_urls}
             self._use_servers([u for u in self.server_urls if u in stay])
@@ -263,7 +289,12 @@ class WeightSender:
         return metas
 
     def push_tensors(
-        self, version: int, named_tensors: list[tuple[str, torch.Tensor]], *, restore: bool = False
+        self,
+        version: int,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        *,
+        restore: bool = False,
+        settle: bool = True,
     ) -> PushReport:
         """push() for weights that are already whole in memory (DDP, single process)."""
         tensors = [t for _, t in named_tensors]
@@ -272,15 +303,27 @@ class WeightSender:
             self.metas_of(named_tensors),
             lambda indices: [tensors[i] for i in indices],
             restore=restore,
+            settle=settle,
         )
 
     def push(
-        self, version: int, metas: list[TensorMeta], fetch: FetchFn, *, restore: bool = False
+        self,
+        version: int,
+        metas: list[TensorMeta],
+        fetch: FetchFn,
+        *,
+        restore: bool = False,
+        settle: bool = True,
     ) -> PushReport:
-        """One update. restore=True lets `version` be <= the served one (resuming from a checkpoint)."""
+        """One update. restore=True lets `version` be <= the served one (resuming from a checkpoint).
+        settle=False returns once every byte is sent, before the servers' results: call settle() (or
+        the next push, which does) to learn whether they applied it. Raises WeightPushError for this
+        update, or for the previous one if it was not settled and failed (nothing of this one is sent
+        then)."""
         group = self.group
         if group is None:
             raise RuntimeError("WeightSender.push before connect()")
+        self.settle()
         start = time.perf_counter()
         request = WeightUpdateRequest(
             version=version,
@@ -333,21 +376,46 @@ class WeightSender:
             raise WeightPushError(f"broadcast of version {version} failed: {e}", self.server_urls) from e
         broadcast_seconds = time.perf_counter() - broadcast_start
 
-        try:
-            results = self._collect_results(version, request.update_id)
-        except WeightPushError:
-            self._cancel(group, request.update_id)
-            raise
-        total_bytes = sum(b.nbytes for b in buckets)
-        return PushReport(
+        report = PushReport(
             version=version,
-            total_bytes=total_bytes,
+            total_bytes=sum(b.nbytes for b in buckets),
             num_buckets=len(buckets),
             request_seconds=request_seconds,
             broadcast_seconds=broadcast_seconds,
             total_seconds=time.perf_counter() - start,
-            results=results,
+            results=[],
+            settled=False,
         )
+        self._pending = _PendingPush(report, request.update_id, start)
+        if not settle:
+            return report
+        settled = self.settle()
+        assert settled is not None
+        return settled
+
+    def settle(self) -> PushReport | None:
+        """Wait for the results of the push made with settle=False, if one is pending: its report,
+        complete (results, total_seconds up to the last result). Raises WeightPushError naming the
+        servers that failed or stayed silent (the update is cancelled for any still receiving)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        report = pending.report
+        try:
+            results = self._collect_results(report.version, pending.update_id)
+        except WeightPushError:
+            if self.group is not None:
+                self._cancel(self.group, pending.update_id)
+            raise
+        return dataclasses.replace(
+            report, results=results, settled=True, total_seconds=time.perf_counter() - pending.started
+        )
+
+    def _settle_quietly(self) -> None:
+        try:
+            self.settle()
+        except WeightPushError as e:  # the group is formed again next: its first push restores
+            log.warning("the last update did not settle: %s", e)
 
     def _request_all(self, request: WeightUpdateRequest) -> list[tuple[object, str | None]]:
         """POST /request_weight_update to every server in parallel: (answer, error) per server. Waits in

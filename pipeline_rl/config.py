@@ -142,6 +142,14 @@ class TrainerConfig(_Section):
     )
     bucket_mb: int = Field(256, ge=1, description="Weight-broadcast bucket size in MiB.")
     push_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight push.")
+    push_settle: Literal["background", "wait"] | None = Field(
+        None,
+        description="background: the trainer goes on once a push's bytes are sent, while the servers "
+        "load and swap the new weights; a thread waits for their results and then announces the "
+        "version (a failure is handled by the next push). wait: the trainer waits for every server's "
+        "result after each push. Unset: background when mode=pipeline, wait when mode=sync (whose "
+        "generation must start on the new weights).",
+    )
     eject_failed_servers: bool = Field(
         True,
         description="A server that dies or stalls during a push leaves the weight group and the push goes on "
@@ -282,6 +290,14 @@ class RunConfig(_Section):
             # InferenceConfig the caller passed in is not changed under it.
             kv = "keep" if self.mode == "pipeline" else "recompute"
             self.inference = self.inference.model_copy(update={"kv_after_update": kv})
+        if self.trainer.push_settle is None:  # like kv_after_update: the default depends on `mode`
+            settle = "background" if self.mode == "pipeline" else "wait"
+            self.trainer = self.trainer.model_copy(update={"push_settle": settle})
+        elif self.trainer.push_settle == "background" and self.mode == "sync":
+            raise ValueError(
+                "trainer.push_settle=background needs mode=pipeline: a sync round must generate with the "
+                "new weights, so its push waits for them (set push_settle=wait or leave it unset)"
+            )
         if self.inference.backend == "sglang" and self.inference.weight_transport == "gloo":
             raise ValueError(
                 "inference=sglang runs on NVIDIA GPUs only: add platform=gpu (NCCL weight transport)"

@@ -125,10 +125,20 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
             sender.bucket_bytes = max(buckets_mib) * MiB
             version[0] += 1
             sender.push_tensors(version[0], named)
-            for bucket in buckets:
+            for i, bucket in enumerate(buckets):
                 sender.bucket_bytes = bucket * MiB
-                version[0] += 1
-                report = sender.push_tensors(version[0], named)
+                # The same push both ways, in alternating order: waiting for the servers' results
+                # (push_settle=wait), and returning once the bytes are sent (background), settled
+                # at once here, where a trainer would compute its next step meanwhile.
+                blocked = 0.0
+                for settle in (True, False) if (i + version[0]) % 2 else (False, True):
+                    version[0] += 1
+                    sent = sender.push_tensors(version[0], named, settle=settle)
+                    if settle:
+                        report = sent
+                    else:
+                        blocked = sent.blocked_seconds
+                        assert sender.settle() is not None
                 record(
                     bucket,
                     {
@@ -137,6 +147,7 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
                         "broadcast_seconds": report.broadcast_seconds,
                         "num_buckets": report.num_buckets,
                         "results": [r.model_dump() for r in report.results],
+                        "background_blocked_seconds": blocked,
                     },
                 )
         finally:
@@ -145,6 +156,7 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
     def prepared_round(receivers: int, rep: int) -> None:
         def record(bucket: int, push: dict) -> None:
             result.add(("push", receivers, bucket), push["total_seconds"])
+            result.add(("push-background", receivers, bucket), push["background_blocked_seconds"])
             result.pushes.setdefault((receivers, bucket), []).append(push)
 
         push_round(urls[:receivers], rotate(buckets_mib, rep), record)
@@ -232,11 +244,12 @@ def _tables(results: list[SizeResult], buckets_mib: list[int]) -> tuple[str, str
     main_rows, diag_rows, summary = [], [], []
     for r in results:
         if r.skipped:
-            main_rows.append([r.size, f"{r.bytes / MB:.1f}", "-", "-", f"skipped: {r.skipped}"] + ["-"] * 7)
+            main_rows.append([r.size, f"{r.bytes / MB:.1f}", "-", "-", f"skipped: {r.skipped}"] + ["-"] * 9)
             continue
         for receivers in (1, 2):
             for bucket in buckets_mib:
                 push = r.med(("push", receivers, bucket))
+                blocked = r.med(("push-background", receivers, bucket))
                 gloo = r.med(("gloo", receivers, bucket))
                 pause, apply, transfer = _pause_stats(r.pushes[(receivers, bucket)])
                 row = {
@@ -248,6 +261,8 @@ def _tables(results: list[SizeResult], buckets_mib: list[int]) -> tuple[str, str
                     "push_gbs": r.bytes / push / 1e9,
                     "gloo_s": gloo,
                     "of_gloo": gloo / push,
+                    "blocked_s": blocked,
+                    "blocked_of_gloo": gloo / blocked,
                     "transfer_of_gloo": gloo / transfer,
                     "transfer_s": transfer,
                     "pause_s": pause,
@@ -265,6 +280,8 @@ def _tables(results: list[SizeResult], buckets_mib: list[int]) -> tuple[str, str
                         row["push_gbs"],
                         gloo,
                         f"{100 * row['of_gloo']:.0f}%",
+                        blocked,
+                        f"{100 * row['blocked_of_gloo']:.0f}%",
                         f"{100 * row['transfer_of_gloo']:.0f}%",
                         pause,
                         apply,
@@ -293,6 +310,8 @@ def _tables(results: list[SizeResult], buckets_mib: list[int]) -> tuple[str, str
             "push GB/s",
             "gloo s",
             "push / gloo",
+            "background: trainer held s",
+            "held / gloo",
             "transfer / gloo",
             "pause s",
             "apply s",
@@ -327,6 +346,16 @@ def _goals(summary: list[dict], default_bucket: int, applies: list[dict]) -> lis
             f"Worst case at the default {default_bucket} MiB buckets: {worst['size']} to {worst['servers']} "
             f"server(s) reaches {100 * worst['of_gloo']:.0f}% end to end "
             f"({100 * worst['transfer_of_gloo']:.0f}% counting only the transfer phase).",
+        )
+        held = min(big, key=lambda s: s["blocked_of_gloo"])
+        sync += "\n" + goal_line(
+            "what a pipelined trainer waits per push (push_settle=background) >= 80% of the gloo ceiling, "
+            "models >= 100 MB",
+            held["blocked_of_gloo"] >= 0.8,
+            f"Worst case at the default {default_bucket} MiB buckets: {held['size']} to {held['servers']} "
+            f"server(s), held {held['blocked_s'] * 1000:.0f} ms against gloo's {held['gloo_s'] * 1000:.0f} ms "
+            f"({100 * held['blocked_of_gloo']:.0f}%); the servers then load and swap it while the trainer "
+            "computes.",
         )
     else:
         sync = goal_line(
@@ -437,7 +466,12 @@ def run(ctx: BenchContext) -> dict:
         f"process plays the trainer (torch threads: {ctx.trainer_threads()}). "
         "`gloo` is a raw broadcast of the same buckets between plain processes with reused receive buffers "
         "(the transport ceiling, timed like the push's transfer); `push / gloo` is the fraction of that "
-        "ceiling the full push reaches, `transfer / gloo` the same for the transfer alone (the longer of "
+        "ceiling the full push reaches (the trainer waits for every server's result: push_settle=wait, "
+        "mode=sync's). `background: trainer held s` is how long the same push holds the trainer when it "
+        "does not wait for the results (push_settle=background, the pipelined default: the request and the "
+        "sender's broadcast; the servers then load and swap the weights while the trainer computes), "
+        "`held / gloo` its fraction of the ceiling; each repeat makes both pushes, in alternating order. "
+        "`transfer / gloo` is the fraction for the transfer alone (the longer of "
         "the sender's broadcast and the slowest server's receive; above 100% only when noise exceeds the "
         "gap). `pause` is the longest generation pause among the servers (UpdateResult.pause_seconds); "
         "`pause / transfer` divides it by the transfer time. GB/s are payload bytes per receiver per second. "

@@ -55,8 +55,12 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
     tr = Trainer.start(cfg)
     while tr.state.step < t.max_steps:
         started = time.perf_counter()
-        package = tr.feed.next_package(t.data_timeout_s, stop_requested)  # 1
-        if package is None:
+        # A push that failed in the background and could not be got past (push_settle=background)
+        # stops the loop too: waiting for data could take long, and finish() raises the failure.
+        package = tr.feed.next_package(
+            t.data_timeout_s, lambda: stop_requested() or tr.publisher.settle_failed
+        )
+        if package is None:  # 1
             log.info("stop requested: leaving after step %d", tr.state.step)
             break
         waited = time.perf_counter() - started
@@ -64,6 +68,7 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
         result = tr.train(package, step)  # 2
         if result is None:  # every sample too stale: consumed, not trained, no new version
             tr.state.groups_consumed += package.batch_groups
+            tr.publisher.wait_settled()  # one announcer at a time; the version said is one served
             tr.announce()
             continue
         tr.state.step = tr.state.version = step  # weight version = optimizer steps applied
@@ -72,11 +77,16 @@ def run(cfg: RunConfig, stop_requested: Callable[[], bool]) -> TrainerState:
         tr.state.tokens_consumed += result.trained_tokens
         pushed = time.perf_counter()
         # Resumed without a checkpoint: the servers may serve a later version of the lost life.
-        tr.publisher.push(step, restore=tr.restore_next_push)  # 3
+        background = t.push_settle == "background" and tr.publisher.enabled
+        if background:  # 3, and 4 once every server has applied it
+            tr.publisher.push(step, restore=tr.restore_next_push, on_settled=tr.announce)
+        else:
+            tr.publisher.push(step, restore=tr.restore_next_push)  # 3
         tr.restore_next_push = False
         timings = {"wait_data_s": waited, **result.timings, "weight_push_s": time.perf_counter() - pushed}
         announced = time.perf_counter()
-        tr.announce()  # 4
+        if not background:
+            tr.announce(step)  # 4
         timings["events_s"] = time.perf_counter() - announced
         timings["checkpoint_s"] = tr.checkpoint() if tr.checkpoint_due() else 0.0  # 5
         timings["snapshot_s"] = tr.snapshot() if tr.snapshot_due() else 0.0
@@ -103,6 +113,7 @@ class Trainer:
     saved_at: float  # time.monotonic() of the last checkpoint (or of the start), for the time cadence
     ledger: LedgerWriter | None = None  # rank 0 only
     restore_next_push: bool = False  # resumed with no checkpoint: the first push may go back in versions
+    served_version: int = 0  # the newest version announced (every server in the group serves it)
     snapshot_at: float | None = (
         None  # time.monotonic() of the last weights snapshot (trainer.snapshot_every_s)
     )
@@ -141,12 +152,13 @@ class Trainer:
             saved_step=state.step if ckpt else -1,
             saved_at=time.monotonic(),
             restore_next_push=cfg.trainer.resume and ckpt is None,
+            served_version=state.version,
         )
         if tr.ledger is not None:
             tr.ledger.resumed(state.step)  # before anything is trained again: voids later steps' lines
         if ckpt:
             publisher.push(state.version, restore=True)  # servers serve exactly the checkpoint's weights
-            tr.announce()  # actors rewind to the restored version
+            tr.announce(state.version)  # actors rewind to the restored version
         log.info(
             "rank %d/%d ready: %s, step %d, version %d",
             comm.rank,
@@ -196,12 +208,17 @@ class Trainer:
             self.ledger.trained(step, result.sample_ids)  # before the push makes the step visible
         return result
 
-    def announce(self) -> None:
-        """WeightVersionEvent for the current version (rank 0; call only once every server has it)."""
+    def announce(self, served: int | None = None) -> None:
+        """WeightVersionEvent (rank 0): the progress so far and the newest version every server serves:
+        `served`, or the one announced before. Called by the loop after a push that waited, by the
+        publisher's settle thread after one that did not; never by both at once (the loop waits for
+        the settle thread before it announces)."""
+        if served is not None:
+            self.served_version = served
         if self.events is not None:
             s = self.state
             event = WeightVersionEvent(
-                version=s.version,
+                version=self.served_version,
                 step=s.step,
                 samples_consumed=s.samples_consumed,
                 groups_consumed=s.groups_consumed,
@@ -284,8 +301,13 @@ class Trainer:
         report = self.publisher.last_report
         if report is not None:
             # The push's parts, to tell a slow request (the server's arm waits for its current engine
-            # step) from a slow transfer or a slow apply.
+            # step) from a slow transfer or a slow apply. With push_settle=background they are those
+            # of the newest settled push (push_version; this step's may still be settling), and
+            # push_settle_wait_s is how long this step's push waited for the one before to settle.
             line.update(
+                push_version=report.version,
+                push_total_s=report.total_seconds,
+                push_settle_wait_s=self.publisher.settle_wait_s,
                 push_bytes=report.total_bytes,
                 push_max_pause_s=report.max_pause_seconds,
                 push_request_s=report.request_seconds,
@@ -302,9 +324,12 @@ class Trainer:
         if self.state.step != self.saved_step:
             self.checkpoint()
         p = self.publisher
+        if self.comm.is_main:
+            p.wait_settled()  # the last version is announced, or its failure waits for catch_up
         # Servers left out of the group (ejected, restarting) get the final weights if they come back in
-        # time; rank 0 alone knows the membership, and the push is collective.
-        if p.enabled and self.state.version > 0 and self.comm.broadcast_object(p.members != p.urls):
+        # time; rank 0 alone knows the membership, and the push is collective. So does a group whose
+        # last update failed while the trainer went on (push_settle=background).
+        if p.enabled and self.state.version > 0 and self.comm.broadcast_object(p.needs_catch_up):
             p.catch_up(self.state.version)
         self.publisher.close()
         if self.ledger is not None:

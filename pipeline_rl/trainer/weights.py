@@ -12,7 +12,10 @@ push() at the same point of the loop):
              gather them together; the others loop on that broadcast until rank 0 broadcasts "done"
              together with the push's outcome (so a refused push, where fetch is never called, cannot
              leave them waiting in a gather). Replicated strategies gather nothing and the other ranks
-             only wait for the outcome.
+             only wait for the outcome. With on_settled (trainer.push_settle=background) rank 0 returns
+             once the bytes are sent; a thread of its own waits for the servers' results, handles a
+             failure there (eject) and calls on_settled, which announces the version. Every later
+             use of the sender or the membership on rank 0 first waits for that thread.
 
 Membership (rank 0; trainer.eject_failed_servers, on by default). torch.distributed groups have a fixed
 size, so the set of servers changes only when a group forms (the choice and its cost: docs/decisions.md
@@ -38,7 +41,9 @@ In every case the trainer announces a version only once every member serves it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -76,6 +81,12 @@ class WeightPublisher:
         self.rebuild_seconds = 0.0  # time spent re-forming the group (the cost of a membership change)
         self._restore_after_rebuild = False  # a re-formed group's first push may go back in versions
         self._next_rejoin_check = 0.0
+        # A push settling in the background (rank 0, push(on_settled=...)): its thread, and a failure
+        # that thread could not get past (_recover_from_settle), raised by the next push or catch_up.
+        self._settler: threading.Thread | None = None
+        self._settle_error: WeightPushError | None = None
+        self.settle_wait_s = 0.0  # how long the last push waited for the one before it to settle
+        self._members_behind = False  # a member did not apply the newest version (see _recover_from_settle)
 
     @property
     def enabled(self) -> bool:
@@ -119,14 +130,31 @@ class WeightPublisher:
         self._restore_after_rebuild = False
         log.info("weight group joined with %d server(s): %s", len(self.members), self.members)
 
-    def push(self, version: int, *, restore: bool = False) -> PushReport | None:
-        """Push the current weights as `version` to every server (collective; see module docstring)."""
+    def push(
+        self,
+        version: int,
+        *,
+        restore: bool = False,
+        on_settled: Callable[[int | None], None] | None = None,
+    ) -> PushReport | None:
+        """Push the current weights as `version` to every server (collective; see module docstring).
+
+        Without `on_settled`, returns once every member serves `version`. With it (rank 0 calls it; the
+        trainer announces the version there), returns once the bytes are sent: the servers load and
+        swap them while the trainer goes on, and a thread waits for their results and then calls
+        on_settled(version). When the results say a server failed, that thread ejects the servers
+        that no longer answer at once (see _recover_from_settle); a failure it cannot get past sets
+        settle_failed and is raised by the next push (or catch_up)."""
         if not self.enabled:
             return None
         if self.comm.is_main:
             error: BaseException | None = None
             try:
-                self.last_report = self._push_main(version, restore)
+                report = self._push_main(version, restore, settle=on_settled is None)
+                if on_settled is None:
+                    self.last_report = report
+                else:
+                    self._settle_in_background(version, on_settled)
             except BaseException as e:  # noqa: BLE001 - reported to the other ranks, then re-raised
                 error = e
             if self.comm.distributed:
@@ -143,8 +171,93 @@ class WeightPublisher:
                 return None
             self.strategy.gather(message[1])  # our share of a sharded gather
 
-    def _push_main(self, version: int, restore: bool) -> PushReport:
+    def _settle_in_background(self, version: int, on_settled: Callable[[int | None], None]) -> None:
+        sender = self.sender
+        assert sender is not None
+
+        def settle() -> None:
+            try:
+                report = sender.settle()
+            except WeightPushError as e:
+                self._recover_from_settle(version, e, on_settled)
+                return
+            if report is not None:
+                self.last_report = report
+                self._members_behind = False
+                log.info(
+                    "version %d applied by every server, %.3fs after its request (max server pause %.3fs)",
+                    report.version,
+                    report.total_seconds,
+                    report.max_pause_seconds,
+                )
+                on_settled(version)
+
+        self._settler = threading.Thread(target=settle, name="weight-settle", daemon=True)
+        self._settler.start()
+
+    def _recover_from_settle(
+        self, version: int, error: WeightPushError, on_settled: Callable[[int | None], None]
+    ) -> None:
+        """In the settle thread, at once (the trainer may be waiting for data that the failed server's
+        requests hold up, and actors learn whom to leave from the next announcement): eject the
+        servers that do not answer and re-form the group with the rest, as a failed push of the main
+        thread does. When every server left reported `version` applied, it is announced with the new
+        membership; otherwise the previous version is, and the next push (a restore) brings them up
+        to date. When nobody can be ejected (every server answers: retrying cannot help) or ejection
+        is off, the error stays (settle_failed): the loop stops waiting for data, and finish() raises
+        it through catch_up, so the trainer stops with it, as after a failed push that waited."""
+        try:
+            if not self.cfg.trainer.eject_failed_servers:
+                raise error
+            self._eject(error, f"settling version {version}")
+        except WeightPushError as e:
+            self._settle_error = e
+            return
+        failed = [u for u in self.members if any(s.startswith(u) for s in error.servers)]
+        if failed:
+            # They answer, but did not apply it (e.g. their receive broke when a peer died): the next
+            # push, a restore to the new group, gives them its version. Meanwhile the actors learn the
+            # new membership, with the version every member serves.
+            log.warning("version %d did not reach %s: the next push gives them its own", version, failed)
+            self._members_behind = True  # at the end of the run, catch_up pushes the last version again
+            on_settled(None)
+            return
+        log.info("version %d is served by every server left in the group: %s", version, self.members)
+        on_settled(version)
+
+    @property
+    def settle_failed(self) -> bool:
+        """Rank 0: the last push settling in the background failed and could not be got past."""
+        return self._settle_error is not None
+
+    @property
+    def needs_catch_up(self) -> bool:
+        """Rank 0, at the end of the run: some configured server may not serve the last version (out of
+        the group, a member that did not apply it, or a failure that the catch_up push raises)."""
+        return self.members != self.urls or self.settle_failed or self._members_behind
+
+    def wait_settled(self) -> None:
+        """Rank 0: wait for a push settling in the background; its failure stays for the next push.
+        The settle has its own deadlines (the results: trainer.push_timeout_s; re-forming the group
+        after an ejection, waiting for a server when none is left: inference.startup_timeout_s);
+        this one only bounds a stuck thread."""
+        settler, self._settler = self._settler, None
+        if settler is None:
+            return
+        started = time.perf_counter()
+        limit_s = 2 * self.cfg.trainer.push_timeout_s + self.cfg.inference.startup_timeout_s + 60
+        settler.join(limit_s)
+        self.settle_wait_s = time.perf_counter() - started
+        if settler.is_alive():
+            raise WeightPushError(
+                f"the last weight update did not settle within {limit_s:.0f}s (trainer.push_timeout_s "
+                f"twice + inference.startup_timeout_s + 60 s); its servers: {self.members}",
+                self.members,
+            )
+
+    def _push_main(self, version: int, restore: bool, settle: bool = True) -> PushReport:
         assert self.sender is not None, "push() before connect()"
+        self.wait_settled()  # before anything touches the sender or the group
         metas = [
             m.model_copy(update={"dtype": self.sender.target_dtype or m.dtype})
             for m in weight_metas(self.specs)
@@ -161,22 +274,27 @@ class WeightPublisher:
         self._admit_returning()
         restore = restore or self._restore_after_rebuild
         try:
-            report = self.sender.push(version, metas, fetch, restore=restore)
+            if self._settle_error is not None:  # the previous version failed in the background
+                error, self._settle_error = self._settle_error, None
+                raise error
+            report = self.sender.push(version, metas, fetch, restore=restore, settle=settle)
         except WeightPushError as e:
             if not self.cfg.trainer.eject_failed_servers:
                 raise
             self._eject(e, f"pushing version {version}")
             restore = True  # the members get the same version again; some may hold it already
-            report = self.sender.push(version, metas, fetch, restore=restore)
+            report = self.sender.push(version, metas, fetch, restore=restore, settle=settle)
         self._restore_after_rebuild = False
+        if report.settled:
+            self._members_behind = False
         log.info(
-            "pushed version %d%s: %.1f MB in %d bucket(s), %.3fs (max server pause %.3fs)",
+            "pushed version %d%s: %.1f MB in %d bucket(s), %.3fs%s",
             version,
             " (restore)" if restore else "",
             report.total_bytes / 1e6,
             report.num_buckets,
             report.total_seconds,
-            report.max_pause_seconds,
+            f" (max server pause {report.max_pause_seconds:.3f}s)" if report.settled else ", settling",
         )
         return report
 
@@ -309,6 +427,8 @@ class WeightPublisher:
         every live server ends on the final weights."""
         if not self.enabled:
             return
+        if self.comm.is_main:
+            self.wait_settled()  # its failure, if any, is raised by the push below
         if self.comm.is_main and self.sender is not None and len(self.members) < len(self.urls):
             deadline = time.monotonic() + self.cfg.inference.startup_timeout_s
             while len(self.members) < len(self.urls) and time.monotonic() < deadline:
@@ -330,6 +450,11 @@ class WeightPublisher:
         }
 
     def close(self) -> None:
+        if self._settler is not None:
+            try:
+                self.wait_settled()
+            except WeightPushError as e:  # closing anyway
+                log.warning("%s", e)
         if self.sender is not None:
             self.sender.close()
             self.sender = None

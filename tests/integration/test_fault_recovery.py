@@ -10,6 +10,8 @@ no process of the run is left. A SIGKILLed launcher takes every process of its r
 
 The three single-fault runs are marked `long` (about 6 minutes together): `make test` leaves them out,
 because tests/integration/test_chaos.py causes all of these faults in one run; `make test-long` runs them.
+`make test` runs the fourth: a server that dies between receiving an update and applying it, which with
+trainer.push_settle=background only the thread waiting for the results sees (about 3 minutes).
 
     .venv/bin/python -m pytest -q tests/integration/test_fault_recovery.py
 """
@@ -28,6 +30,7 @@ import pytest
 from _servers import transformers_greedy
 from test_launcher import SMALL_RUN, _finish, _launch, _read_until, _sessions_alive, _started_pids, tiny_model
 
+from inference_shim.faults import fired
 from inference_shim.procs import free_port
 from pipeline_rl.ledger import ledger_summary
 from pipeline_rl.trainer.checkpoint import latest_checkpoint, read_state
@@ -122,6 +125,32 @@ def test_killed_server_is_ejected_restarted_and_rejoins(tiny_model, tmp_path):
         -3000:
     ]
     assert_clean_finish(proc, output, run_dir, steps)
+
+
+def test_a_server_killed_while_the_trainer_goes_on_is_ejected_by_the_settle_thread(
+    tiny_model, tmp_path, monkeypatch
+):
+    # trainer.push_settle=background (the pipelined default): the push returns once the bytes are sent.
+    # A server SIGKILLs itself after receiving its 3rd update, before applying it (fault point
+    # server.received@3: whichever server gets there first), so the failure is seen by the thread that
+    # waits for the results, not by a push. It must eject the server at once and the run go on; the
+    # restarted server rejoins, at the latest at the end of the run, and serves the final weights.
+    run_dir, faults_dir, steps = tmp_path / "run", tmp_path / "faults", 40
+    monkeypatch.setenv("PIPELINE_RL_FAULTS", "server.received@3")
+    monkeypatch.setenv("PIPELINE_RL_FAULTS_DIR", str(faults_dir))
+    proc, _ = start_run(tiny_model, run_dir, f"trainer.max_steps={steps}")
+    output = _finish(proc, "", timeout_s=600)
+    assert fired(faults_dir) == ["server.received"], output[-4000:]
+    log = trainer_log(run_dir)
+    assert re.search(r"settling version 3 failed \(.*\): ejecting \['http://127\.0\.0\.1:\d+'\]", log), log[
+        -4000:
+    ]
+    assert "version 3 is served by every server left in the group" in log, log[-4000:]
+    assert re.search(r"server[01] exited with code -9 \(SIGKILL\): restarting it", output), output[-4000:]
+    assert_clean_finish(proc, output, run_dir, steps)
+    events = [json.loads(x) for x in (run_dir / "stats.jsonl").read_text().splitlines()]
+    versions = [e["version"] for e in events if e.get("type") == "version"]
+    assert versions == sorted(versions) and versions[-1] == steps, versions
 
 
 @pytest.mark.long

@@ -377,6 +377,17 @@ def test_pipelined_servers_keep_in_flight_kv_after_an_update_and_sync_servers_re
     assert kv_flag("mode=sync", "inference.kv_after_update=keep") == ("keep", "keep")
 
 
+def test_pipelined_trainers_settle_pushes_in_the_background_and_sync_trainers_wait():
+    from pipeline_rl.launch.compose import ConfigError, compose
+
+    assert compose([]).trainer.push_settle == "background"
+    assert compose(["mode=sync"]).trainer.push_settle == "wait"
+    assert compose(["trainer.push_settle=wait"]).trainer.push_settle == "wait"
+    # A sync round must generate with the new weights: its push cannot go on without them.
+    with pytest.raises(ConfigError, match="push_settle=background needs mode=pipeline"):
+        compose(["mode=sync", "trainer.push_settle=background"])
+
+
 def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(tiny_model, tmp_path):
     base = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--dry-run", f"model_path={tiny_model}",
             f"run_dir={tmp_path}", "platform=gpu", "trainer=fsdp", "trainer.num_processes=2",

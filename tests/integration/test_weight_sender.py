@@ -8,6 +8,8 @@ The "server that never joins" is a hand-written stand-in (a tiny HTTP server tha
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -141,3 +143,60 @@ def test_cli_help_imports_no_heavy_modules():
         [sys.executable, "-m", "pipeline_rl.cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "serve" in help_text.stdout and "tiny-model" in help_text.stdout
+
+
+def test_a_push_that_does_not_wait_settles_later_and_a_server_killed_before_applying_fails_it(tmp_path):
+    # push(settle=False) returns once the bytes are sent; settle(), or the next push, reads the results.
+    # Caused for real: the second server SIGKILLs itself once it has received its 3rd update, before
+    # applying it (fault point server.received@3, as in the chaos tests).
+    from _servers import checkpoint_params, serve_argv, start_child, stop_process_tree, wait_healthy
+
+    from inference_shim.procs import free_port
+    from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", TinyModelSpec(seed=0))
+    named = checkpoint_params(model)
+    faults = {"PIPELINE_RL_FAULTS": "server.received@3", "PIPELINE_RL_FAULTS_DIR": str(tmp_path / "faults")}
+    procs, urls = [], []
+    try:
+        for i, env in enumerate([{}, faults]):
+            port = free_port()
+            argv = serve_argv(model, port, backend="capture", extra=["--log-level", "warning"])
+            log_path = tmp_path / f"server{i}.log"
+            procs.append((start_child(argv, env=dict(os.environ, **env), log_path=log_path), log_path))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, (proc, log_path) in zip(urls, procs, strict=True):
+            wait_healthy(url, 60, proc, log_path)
+        sender = WeightSender(urls, backend="gloo", timeout_s=30)
+        sender.connect()
+        try:
+            sent = sender.push_tensors(1, named, settle=False)
+            assert not sent.settled and sent.results == [] and sent.num_buckets >= 1
+            settled = sender.settle()
+            assert settled is not None and settled.settled and settled.version == 1
+            assert sorted(r.server_id for r in settled.results) == sorted(urls)
+            assert all(r.ok for r in settled.results)
+            assert settled.total_seconds >= sent.blocked_seconds
+            assert [_served_version(u) for u in urls] == [1, 1]
+            assert sender.settle() is None  # nothing pending any more
+
+            sender.push_tensors(2, named, settle=False)
+            report = sender.push_tensors(3, named, settle=False)  # settles 2 first; server 2 dies on 3
+            assert _served_version(urls[0]) >= 2
+            with pytest.raises(WeightPushError) as raised:
+                sender.push_tensors(4, named)  # raises 3's failure; nothing of 4 is sent
+            assert urls[1] in raised.value.servers and urls[0] not in raised.value.servers
+            assert "version 3" in str(raised.value)
+            assert procs[1][0].wait(timeout=30) == -signal.SIGKILL
+            assert _served_version(urls[0]) == 3 and report.version == 3
+        finally:
+            sender.close()
+    finally:
+        for proc, _ in procs:
+            stop_process_tree(proc)
+
+
+def _served_version(url: str) -> int:
+    import httpx
+
+    return httpx.get(f"{url}/debug/state", timeout=10).json()["weight_version"]
