@@ -84,7 +84,7 @@ class WeightPublisher:
         # A push settling in the background (rank 0, push(on_settled=...)): its thread, and a failure
         # that thread could not get past (_recover_from_settle), raised by the next push or catch_up.
         self._settler: threading.Thread | None = None
-        self._settle_error: WeightPushError | None = None
+        self._settle_error: BaseException | None = None
         self.settle_wait_s = 0.0  # how long the last push waited for the one before it to settle
         self._members_behind = False  # a member did not apply the newest version (see _recover_from_settle)
 
@@ -192,7 +192,16 @@ class WeightPublisher:
                 )
                 on_settled(version)
 
-        self._settler = threading.Thread(target=settle, name="weight-settle", daemon=True)
+        def settle_or_keep_the_error() -> None:
+            # Anything else that goes wrong here (the announcement's stream write past its retries, a
+            # bug) must stop the trainer as it would in the loop: kept, and raised by the next push.
+            try:
+                settle()
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                log.error("the weight settle thread failed: %s: %s", type(e).__name__, e)
+                self._settle_error = e
+
+        self._settler = threading.Thread(target=settle_or_keep_the_error, name="weight-settle", daemon=True)
         self._settler.start()
 
     def _recover_from_settle(
