@@ -98,11 +98,18 @@ def test_sharded_two_ranks_push_exactly_the_parameters_they_gather(
         batches, metrics = _fit_fixed_batch(cfg, tiny_model, tmp_path)
         assert [h["version"] for h in capture.history] == list(range(1, STEPS + 1))
         pushed = dict(capture.received)
-    assert all(m["push_bytes"] > 0 for m in metrics)
-    # The push's parts are each measured, and none exceeds the whole push.
+    # With push_settle=background (the default here) a step's line describes the newest push that had
+    # settled by then (push_version): the step's own, or the one before, which its push waited for; the
+    # first line may come before any. What the step's own push held the trainer (weight_push_s) is the
+    # request and the transfer, not the apply.
+    assert all(m["weight_push_s"] > 0 for m in metrics)
+    settled = [m for m in metrics if "push_version" in m]
+    assert len(settled) >= STEPS - 1 and settled[0]["step"] <= 2, metrics
+    assert all(m["step"] - 1 <= m["push_version"] <= m["step"] for m in settled)
+    assert all(m["push_bytes"] > 0 and m["push_broadcast_s"] > 0 for m in settled)
+    # The push's parts are each measured, and none exceeds the whole push (request to last result).
     parts = ("push_request_s", "push_broadcast_s", "push_max_receive_s", "push_max_apply_s")
-    assert all(0 <= m[k] <= m["weight_push_s"] for m in metrics for k in parts)
-    assert all(m["push_broadcast_s"] > 0 for m in metrics)
+    assert all(0 <= m[k] <= m["push_total_s"] for m in settled for k in parts)
 
     final = checkpoint.latest_checkpoint(cfg.run_dir)
     assert _max_diff(pushed, load_weights(final / "model")) == 0.0  # the checkpoint gathers the same way
