@@ -145,8 +145,8 @@ class TrainerConfig(_Section):
     push_settle: Literal["background", "wait"] | None = Field(
         None,
         description="background: the trainer goes on once a push's bytes are sent, while the servers "
-        "load and swap the new weights; a thread waits for their results and then announces the "
-        "version (a failure is handled by the next push). wait: the trainer waits for every server's "
+        "load and swap the new weights; a thread waits for their results, ejects a server that failed "
+        "and then announces the version. wait: the trainer waits for every server's "
         "result after each push. Unset: background when mode=pipeline, wait when mode=sync (whose "
         "generation must start on the new weights).",
     )

@@ -138,7 +138,7 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
                         report = sent
                     else:
                         blocked = sent.blocked_seconds
-                        assert sender.settle() is not None
+                        sender.settle()  # raises if a server did not apply it
                 record(
                     bucket,
                     {

@@ -21,6 +21,7 @@ import pytest
 from inference_shim.backends.common import ContractError, validate_update
 from inference_shim.protocol import BUCKET_ALIGN_BYTES, TensorMeta, WeightUpdateRequest, plan_buckets
 from inference_shim.weight_sender import WeightPushError, WeightSender
+from pipeline_rl.bench.servers import served_version
 
 
 def _meta(name: str, shape: list[int], dtype: str = "float32") -> TensorMeta:
@@ -197,6 +198,4 @@ def test_a_push_that_does_not_wait_settles_later_and_a_server_killed_before_appl
 
 
 def _served_version(url: str) -> int:
-    import httpx
-
-    return httpx.get(f"{url}/debug/state", timeout=10).json()["weight_version"]
+    return served_version([url])
