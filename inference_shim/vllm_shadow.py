@@ -92,39 +92,47 @@ def prepare(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]])
 
 def _shadow_tree(model: torch.nn.Module, pairs: list) -> torch.nn.Module:
     """The shadow of `model`, appending every (live, shadow) module pair to `pairs`."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    return _ShadowBuilder(pairs).module(model)
 
-    tensors: dict[int, torch.Tensor] = {}  # id(live tensor) -> its shadow: tied weights stay tied
-    modules: dict[int, torch.nn.Module] = {}
 
-    def shadow_tensor(live, shadow, name: str, tensor, metadata: dict):
+class _ShadowBuilder:
+    """Builds a model's shadow module by module. A class, not nested functions: a recursive closure is a
+    reference cycle (the function's cell holds the function) that kept its dicts, and with them every
+    fresh tensor of the update, alive until a full garbage collection. After a swap those tensors share
+    the live weights' memory, so each update's memory stayed until the next collection: measured on the
+    500 MB bench model, a worker held 1-3 extra model copies and grew with every new weight group."""
+
+    def __init__(self, pairs: list) -> None:
+        self.pairs = pairs
+        self.tensors: dict[int, torch.Tensor] = {}  # id(live tensor) -> its shadow: tied weights stay tied
+        self.modules: dict[int, torch.nn.Module] = {}
+
+    def tensor(self, live, shadow, name: str, tensor, metadata: dict):
         if tensor is None:
             return None
-        if id(tensor) not in tensors:
+        if id(tensor) not in self.tensors:
             template = metadata.get(name, tensor)  # the loader's shape (a packed weight is not it)
-            tensors[id(tensor)] = _fresh_like(template, live, shadow)
-        return tensors[id(tensor)]
+            self.tensors[id(tensor)] = _fresh_like(template, live, shadow)
+        return self.tensors[id(tensor)]
 
-    def shadow_module(live: torch.nn.Module) -> torch.nn.Module:
-        if id(live) in modules:
-            return modules[id(live)]
+    def module(self, live: torch.nn.Module) -> torch.nn.Module:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        if id(live) in self.modules:
+            return self.modules[id(live)]
         info = LAYERWISE_INFO.get(live)
         param_meta, buffer_meta = info.restore_metadata if info is not None else ({}, {})
         shadow = live.__class__.__new__(live.__class__)
         shadow.__dict__.update(live.__dict__)
-        modules[id(live)] = shadow
-        pairs.append((live, shadow))
+        self.modules[id(live)] = shadow
+        self.pairs.append((live, shadow))
         shadow._non_persistent_buffers_set = set(live._non_persistent_buffers_set)
         shadow._parameters = {
-            n: shadow_tensor(live, shadow, n, p, param_meta) for n, p in live._parameters.items()
+            n: self.tensor(live, shadow, n, p, param_meta) for n, p in live._parameters.items()
         }
-        shadow._buffers = {
-            n: shadow_tensor(live, shadow, n, b, buffer_meta) for n, b in live._buffers.items()
-        }
-        shadow._modules = {n: None if c is None else shadow_module(c) for n, c in live._modules.items()}
+        shadow._buffers = {n: self.tensor(live, shadow, n, b, buffer_meta) for n, b in live._buffers.items()}
+        shadow._modules = {n: None if c is None else self.module(c) for n, c in live._modules.items()}
         return shadow
-
-    return shadow_module(model)
 
 
 def _load_and_process(root, pairs: list, weights, model_name: str) -> list:
