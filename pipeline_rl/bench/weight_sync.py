@@ -39,9 +39,10 @@ from pipeline_rl.bench.servers import ServerSpec, served_version
 
 # What one vLLM-CPU server costs beyond its weights (API process + EngineCore + worker), measured ~3 GB.
 SERVER_BASE_BYTES = 3.2e9
-# A server holds its prepacked weights and, during an update, a staging copy, the shadow's weights
-# and their new prepacked layout (inference_shim/vllm_shadow.py), plus what glibc keeps of the last
-# update's freed memory: measured 5.0-5.8 GB per server at 500 MB over repeated groups (vllm_worker.py).
+# A server holds its prepacked weights and, during an update, a staging copy per bucket layout, the
+# shadow's weights and their new prepacked layout (inference_shim/vllm_shadow.py), plus what glibc keeps
+# of the last update's freed memory within a group: measured peak 4.5 GB per worker at 500 MB with two
+# bucket layouts, back to 2.07 GB after each group (scripts/diag/worker_memory.py, docs/benchmarks.md F5).
 SERVER_WEIGHT_COPIES = 6
 DEFAULT_BUCKET_MIB = 256  # inference_shim.protocol.DEFAULT_BUCKET_BYTES
 
