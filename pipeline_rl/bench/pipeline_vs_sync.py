@@ -71,6 +71,8 @@ VARIANTS = {
     **MODES,
     # `make demo` as it ran between F17 and F18: in-flight requests recompute their KV after each update.
     "pipeline-recompute": ("mode=pipeline", RECOMPUTE),
+    # `make demo` as it ran before 2026-11-28 12:00: the trainer waited for every server to apply a push.
+    "pipeline-push-wait": ("mode=pipeline", "trainer.push_settle=wait"),
     "pipeline-torch": ("mode=pipeline", "inference.backend=torch", PADDED, RECOMPUTE),
     "sync-colocated-torch": ("mode=sync", "placement.colocate=true", "inference.backend=torch", PADDED),
     "pipeline-torch-colocated": (
