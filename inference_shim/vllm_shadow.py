@@ -99,10 +99,13 @@ class _ShadowBuilder:
     """Builds a model's shadow module by module. A class, not nested functions: a recursive closure is a
     reference cycle (the function's cell holds the function) that kept its dicts, and with them every
     fresh tensor of the update, alive until a full garbage collection. After a swap those tensors share
-    the live weights' memory, so each update's memory stayed until the next collection: measured on the
-    500 MB bench model, a worker held 1-3 extra model copies and grew with every new weight group."""
+    the live weights' memory, so each update's memory stayed until the next collection and a worker's
+    floor grew with every new weight group (scripts/diag/worker_memory.py, docs/benchmarks.md F5)."""
 
     def __init__(self, pairs: list) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        self.layerwise_info = LAYERWISE_INFO  # vLLM's record of each module's loader shapes
         self.pairs = pairs
         self.tensors: dict[int, torch.Tensor] = {}  # id(live tensor) -> its shadow: tied weights stay tied
         self.modules: dict[int, torch.nn.Module] = {}
@@ -116,11 +119,9 @@ class _ShadowBuilder:
         return self.tensors[id(tensor)]
 
     def module(self, live: torch.nn.Module) -> torch.nn.Module:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
         if id(live) in self.modules:
             return self.modules[id(live)]
-        info = LAYERWISE_INFO.get(live)
+        info = self.layerwise_info.get(live)
         param_meta, buffer_meta = info.restore_metadata if info is not None else ({}, {})
         shadow = live.__class__.__new__(live.__class__)
         shadow.__dict__.update(live.__dict__)
