@@ -148,7 +148,7 @@ class Preprocessor:
         self._seen: OrderedDict[str, str | None] = self._recover_written_groups()
         self._recovered = set(self._seen)  # taken in a package before a restart, entry not acked yet
         self._published: tuple[int, int, int] | None = None
-        self._last_publish = 0.0
+        self._last_publish = -math.inf  # the first publish is due (time.monotonic() starts at boot)
 
     # ------------------------------------------------------------------ main loop
     def run(self, stop: threading.Event) -> None:
@@ -292,7 +292,7 @@ class Preprocessor:
         now = time.monotonic()
         current = (t.groups_in, t.groups_dropped, t.samples_out)
         changed = current != self._published
-        new_drops = self._published is not None and t.groups_dropped != self._published[1]
+        new_drops = t.groups_dropped != (self._published[1] if self._published else 0)
         due = now - self._last_publish >= (PROGRESS_EVERY_S if changed else HEARTBEAT_EVERY_S)
         if not (force or due or new_drops):
             return
