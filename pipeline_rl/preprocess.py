@@ -292,7 +292,7 @@ class Preprocessor:
         now = time.monotonic()
         current = (t.groups_in, t.groups_dropped, t.samples_out)
         changed = current != self._published
-        new_drops = t.groups_dropped != (self._published[1] if self._published else 0)
+        new_drops = self._published is not None and t.groups_dropped != self._published[1]
         due = now - self._last_publish >= (PROGRESS_EVERY_S if changed else HEARTBEAT_EVERY_S)
         if not (force or due or new_drops):
             return

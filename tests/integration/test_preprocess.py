@@ -207,7 +207,9 @@ def test_drops_are_published_at_once_for_actors_blocked_on_them(redis_server, tm
     rng = random.Random(3)
     writer = make_writer(cfg.streams, ROLLOUTS)
     prep = Preprocessor(cfg, 0)
-    monkeypatch.setattr(preprocess, "PROGRESS_EVERY_S", 3600.0)  # the rate limit could not let them out
+    # The rate limit could not let them out. Longer than the host has been up (time.monotonic() counts
+    # from boot): the first publish of a new preprocessor must be due however long that is.
+    monkeypatch.setattr(preprocess, "PROGRESS_EVERY_S", time.monotonic() + 3600.0)
     for i in range(3):
         writer.write(make_group(i, rng, rewards=[0.0] * ATTEMPTS))
         prep.poll(block_s=0.0)

@@ -1,11 +1,11 @@
 """A prepared update's shadow (inference_shim/vllm_shadow.py) frees its memory by reference counting alone.
 
 A vLLM worker makes a full garbage collection rarely (and a slow one, in a heap holding vLLM's objects),
-so anything of an update that sits in a reference cycle stays until then. The shadow's builder once was a recursive closure,
-a cycle that held every fresh tensor of the update: after the swap those tensors share the live weights'
-memory, so each update kept a model copy alive and a worker's floor grew with every weight group
-(scripts/diag/worker_memory.py, docs/benchmarks.md F5). These tests build shadows of a small torch model with what
-vLLM's parameters carry (a weight_loader bound to their module, tied weights) and check, with the
+so anything of an update that sits in a reference cycle stays until then. The shadow's builder once was
+a recursive closure, a cycle that held every fresh tensor of the update: after the swap those tensors
+share the live weights' memory, so each update kept a model copy alive and a worker's floor grew with
+every weight group (scripts/diag/worker_memory.py, docs/benchmarks.md F5). These tests build shadows of
+a small torch model with what vLLM's parameters carry (a weight_loader bound to their module, tied weights) and check, with the
 collector off, that nothing of an update outlives it.
 
     .venv/bin/python -m pytest -q tests/unit/test_vllm_shadow.py
@@ -103,9 +103,15 @@ def test_after_a_swap_the_live_model_holds_the_new_weights_and_nothing_else_of_t
     after = dict(model.named_parameters(remove_duplicate=False))
     assert all(after[name] is p for name, p in live_params.items())
     assert model.head.weight is model.embed.weight
-    # each weight holds its own new value (1, 2, 3 in load order), every element of it
+    # every element of each weight holds that weight's new value (_load's order: embed, layers.0, layers.1)
     values = {name: p.unique().tolist() for name, p in after.items()}
-    assert sorted(v for (v,) in {tuple(v) for v in values.values()}) == [1.0, 2.0, 3.0], values
+    expected = {
+        "embed.weight": [1.0],
+        "layers.0.weight": [2.0],
+        "layers.1.weight": [3.0],
+        "head.weight": [1.0],
+    }
+    assert values == expected
     assert model.embed.weight.weight_loader.__self__ is model.embed  # the live loader, unchanged
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} objects of a swapped update wait for a garbage collection"
