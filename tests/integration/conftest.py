@@ -17,9 +17,10 @@ from pipeline_rl.streams import RedisServer
 
 # `make test` runs every other test two files at a time on the machine's two cores, each test slower by
 # ~1.5x (seen: 36% idle cores serially; 1.35x the throughput in parallel). These files run afterwards,
-# alone: they detect faults within deadlines (a killed, stopped or cut-off peer noticed in seconds),
-# bound a latency under load or an elapsed time, or shape links in network namespaces, and sharing the
-# cores with another test would test the machine's load rather than the code.
+# alone: they time fault detection against a running workload (a killed, stopped or cut-off peer
+# noticed within seconds), bound a latency under load or an elapsed time tightly, or shape links in
+# network namespaces, and sharing the cores with another test would test the machine's load rather than
+# the code. Elapsed-time bounds in the other files leave at least ~2.5x slack over the deadline they check.
 SERIAL_FILES = frozenset(
     {
         "test_chaos.py",
@@ -38,6 +39,7 @@ _missing = sorted(name for name in SERIAL_FILES if not (_HERE / name).exists())
 assert not _missing, f"SERIAL_FILES names files that do not exist (renamed?): {_missing}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # By full path: this hook sees the whole session's items, tests/unit's included.
     serial_paths = {_HERE / name for name in SERIAL_FILES}

@@ -207,7 +207,9 @@ def test_router_least_loaded_with_cap_and_health() -> None:
         t0 = time.monotonic()
         with pytest.raises(AllServersDown, match="all_servers_down_deadline_s"):
             await router.acquire()
-        assert 0.4 < time.monotonic() - t0 < 2.0
+        # Waits out its 0.5 s deadline, then raises; the upper bound only rules out a hang, loosely,
+        # because `make test` runs this file beside another one on the same cores.
+        assert 0.4 < time.monotonic() - t0 < 5.0
         for s in servers:
             await s.client.aclose()
 
