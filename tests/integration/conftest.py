@@ -34,17 +34,16 @@ SERIAL_FILES = frozenset(
         "test_simhosts.py",
     }
 )
-_HERE = Path(__file__).parent
-_missing = sorted(name for name in SERIAL_FILES if not (_HERE / name).exists())
+# By full path: the hook below sees the whole session's items, tests/unit's included.
+_SERIAL_PATHS = frozenset(Path(__file__).parent / name for name in SERIAL_FILES)
+_missing = sorted(path.name for path in _SERIAL_PATHS if not path.exists())
 assert not _missing, f"SERIAL_FILES names files that do not exist (renamed?): {_missing}"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # By full path: this hook sees the whole session's items, tests/unit's included.
-    serial_paths = {_HERE / name for name in SERIAL_FILES}
     for item in items:
-        if item.path in serial_paths:
+        if item.path in _SERIAL_PATHS:
             item.add_marker(pytest.mark.serial)
 
 

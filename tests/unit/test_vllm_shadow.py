@@ -5,8 +5,8 @@ so anything of an update that sits in a reference cycle stays until then. The sh
 a recursive closure, a cycle that held every fresh tensor of the update: after the swap those tensors
 share the live weights' memory, so each update kept a model copy alive and a worker's floor grew with
 every weight group (scripts/diag/worker_memory.py, docs/benchmarks.md F5). These tests build shadows of
-a small torch model with what vLLM's parameters carry (a weight_loader bound to their module, tied weights) and check, with the
-collector off, that nothing of an update outlives it.
+a small torch model with what vLLM's parameters carry (a weight_loader bound to their module, tied
+weights) and check, with the collector off, that nothing of an update outlives it.
 
     .venv/bin/python -m pytest -q tests/unit/test_vllm_shadow.py
 """
