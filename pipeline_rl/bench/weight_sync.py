@@ -45,6 +45,12 @@ SERVER_BASE_BYTES = 3.2e9
 # bucket layouts, back to 2.07 GB after each group (scripts/diag/worker_memory.py, docs/benchmarks.md F5).
 SERVER_WEIGHT_COPIES = 6
 DEFAULT_BUCKET_MIB = 256  # inference_shim.protocol.DEFAULT_BUCKET_BYTES
+# Untimed pushes into each new weight group before the timed ones. A group's first updates are slower
+# while the worker's allocator comes to hold what an update needs (at 100 MB, one server, one group:
+# prepare 246, 96, 124, 96, then 51-68 ms from the fifth push on; 2026-11-29, a scratch probe of 14
+# pushes). A run keeps one group for all its pushes, so the timed pushes measure that steady state; the
+# first pushes' own times are reported in their own table.
+GROUP_WARM_PUSHES = 5
 
 
 @dataclass
@@ -58,6 +64,8 @@ class SizeResult:
     pushes: dict[tuple[int, int], list[dict]] = field(default_factory=dict)
     # the same per-push dicts for the server that applies with vLLM's reload path inside the pause
     reload_pushes: list[dict] = field(default_factory=list)
+    # "servers, apply" -> per new group, the total seconds of its GROUP_WARM_PUSHES untimed first pushes
+    warm_pushes: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def add(self, key: tuple[str, int, int], seconds: float) -> None:
         self.seconds.setdefault(key, []).append(seconds)
@@ -117,15 +125,19 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
     source = torch.ones(flat_bytes, dtype=torch.uint8)  # touched, like a trainer's live weights
     target = torch.zeros(flat_bytes, dtype=torch.uint8)
 
-    def push_round(targets: list[str], buckets: list[int], record) -> None:
+    def push_round(targets: list[str], buckets: list[int], record, apply: str) -> None:
         sender = WeightSender(targets, timeout_s=300)
         sender.connect()
         try:
-            # Untimed first push at the largest bucket: allocates the sender's pack buffers once, as a
-            # trainer's first step does; every timed push then sees steady state.
-            sender.bucket_bytes = max(buckets_mib) * MiB
-            version[0] += 1
-            sender.push_tensors(version[0], named)
+            # Untimed first pushes, cycling through the bucket sizes from the largest: the sender's pack
+            # buffers and every layout's staging buffers are allocated, and the servers reach the steady
+            # state of a group (GROUP_WARM_PUSHES); the timed pushes then see what a run sees.
+            warm = []
+            for i in range(GROUP_WARM_PUSHES):
+                sender.bucket_bytes = sorted(buckets_mib, reverse=True)[i % len(buckets_mib)] * MiB
+                version[0] += 1
+                warm.append(sender.push_tensors(version[0], named).total_seconds)
+            result.warm_pushes.setdefault(f"{len(targets)}, {apply}", []).append(warm)
             for i, bucket in enumerate(buckets):
                 sender.bucket_bytes = bucket * MiB
                 # The same push both ways, in alternating order: waiting for the servers' results
@@ -160,11 +172,14 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
             result.add(("push-background", receivers, bucket), push["background_blocked_seconds"])
             result.pushes.setdefault((receivers, bucket), []).append(push)
 
-        push_round(urls[:receivers], rotate(buckets_mib, rep), record)
+        push_round(urls[:receivers], rotate(buckets_mib, rep), record, apply=_main_apply(ctx))
 
     def reload_round(rep: int) -> None:
         push_round(
-            [reload_url], [_default_bucket(buckets_mib)], lambda _b, push: result.reload_pushes.append(push)
+            [reload_url],
+            [_default_bucket(buckets_mib)],
+            lambda _b, push: result.reload_pushes.append(push),
+            apply="reload in pause",
         )
 
     with RawGloo(1) as gloo1, RawGloo(2) as gloo2:
@@ -200,6 +215,11 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
     if not ctx.quick:
         ctx.pool.release(model)  # the next size needs the memory
     return result
+
+
+def _main_apply(ctx: BenchContext) -> str:
+    """How the two main servers apply (prepared unless --apply-weights says reload); the third reloads."""
+    return "reload in pause" if ctx.options.get("apply_weights") == "reload" else "prepared"
 
 
 def _default_bucket(buckets_mib: list[int]) -> int:
@@ -239,6 +259,19 @@ def _apply_table(results: list[SizeResult], bucket: int, main_apply: str) -> tup
         rows,
     )
     return table, summary
+
+
+def _warm_table(results: list[SizeResult]) -> str:
+    """A new group's untimed first pushes, by position, beside the timed pushes that follow them."""
+    rows = []
+    for r in results:
+        for label, groups in sorted(r.warm_pushes.items()):
+            servers, apply = label.split(", ", 1)
+            by_position = [median([g[i] for g in groups]) for i in range(GROUP_WARM_PUSHES)]
+            rows.append([r.size, servers, apply, *by_position])
+    return markdown_table(
+        ["model", "servers", "apply", *(f"push {i + 1} s" for i in range(GROUP_WARM_PUSHES))], rows
+    )
 
 
 def _tables(results: list[SizeResult], buckets_mib: list[int]) -> tuple[str, str, list[dict]]:
@@ -457,8 +490,7 @@ def run(ctx: BenchContext) -> dict:
         results.append(_measure_size(ctx, size, buckets_mib, version))
     default_bucket = _default_bucket(buckets_mib)
     main, diag, summary = _tables(results, buckets_mib)
-    # the main servers apply as --apply-weights says (prepared unless told); the A/B server reloads
-    main_apply = "reload in pause" if ctx.options.get("apply_weights") == "reload" else "prepared"
+    main_apply = _main_apply(ctx)
     applies_table, applies = _apply_table(results, default_bucket, main_apply)
     images = _plot(ctx, summary, results, default_bucket)
     intro = (
@@ -477,7 +509,15 @@ def run(ctx: BenchContext) -> dict:
         "gap). `pause` is the longest generation pause among the servers (UpdateResult.pause_seconds); "
         "`pause / transfer` divides it by the transfer time. GB/s are payload bytes per receiver per second. "
         "Servers apply the default way (`--apply-weights prepared`): `prepare` is the load and CPU prepack "
-        "into a shadow of the model after the receive, outside the pause; `apply` the swap inside it."
+        "into a shadow of the model after the receive, outside the pause; `apply` the swap inside it. "
+        f"Every round forms a new weight group and first makes {GROUP_WARM_PUSHES} untimed pushes into it "
+        "(bucket sizes cycling from the largest): a run keeps one group for all its pushes, and a group's "
+        "first updates are slower while the servers' workers come to hold the memory an update needs. "
+        "The last table gives those first pushes' times."
+    )
+    warm_intro = (
+        f"A new weight group's first {GROUP_WARM_PUSHES} pushes (untimed above; total s, medians over the "
+        "groups; buckets cycling from the largest):"
     )
     apply_intro = (
         f"Applying an update, 1 server, {default_bucket} MiB buckets, the same rotation: prepared beside the "
@@ -488,7 +528,15 @@ def run(ctx: BenchContext) -> dict:
         ctx,
         "1. weight-sync",
         intro,
-        [main, "Ceilings and diagnostics (GB/s, medians):", diag, apply_intro, applies_table],
+        [
+            main,
+            "Ceilings and diagnostics (GB/s, medians):",
+            diag,
+            apply_intro,
+            applies_table,
+            warm_intro,
+            _warm_table(results),
+        ],
         _goals(summary, default_bucket, applies),
         images,
         steal.percent(),
@@ -505,6 +553,7 @@ def run(ctx: BenchContext) -> dict:
                 "seconds": {str(k): v for k, v in r.seconds.items()},
                 "pushes": {str(k): v for k, v in r.pushes.items()},
                 "reload_pushes": r.reload_pushes,
+                "warm_pushes": r.warm_pushes,
             }
             for r in results
         ],

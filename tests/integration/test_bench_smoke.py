@@ -21,6 +21,7 @@ from inference_shim.procs import log_tail, start_child, stop_process_tree
 from pipeline_rl.bench.common import markdown_table, update_doc_section
 from pipeline_rl.bench.run import BENCHMARKS as ALL_BENCHMARKS
 from pipeline_rl.bench.run import _expand
+from pipeline_rl.bench.weight_sync import GROUP_WARM_PUSHES
 from pipeline_rl.simhosts import available
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,6 +92,10 @@ def test_every_benchmark_runs_quick_and_writes_its_section(tmp_path: Path) -> No
     # prepare step, outside the pause); the `--apply-weights reload` server had nothing to prepare.
     applies = {row["how"]: row for row in json.loads((out / "weight-sync.json").read_text())["applies"]}
     assert applies["prepared"]["prepare_s"] > 0 and applies["reload in pause"]["prepare_s"] == 0, applies
+    # every new group's untimed first pushes are kept, per configuration: 1 and 2 servers, and the reload one
+    warm = json.loads((out / "weight-sync.json").read_text())["raw"][0]["warm_pushes"]
+    assert sorted(warm) == ["1, prepared", "1, reload in pause", "2, prepared"], warm
+    assert all(len(group) == GROUP_WARM_PUSHES and min(group) > 0 for g in warm.values() for group in g), warm
     for plot in PLOTS:
         assert (img / plot).stat().st_size > 0
 
