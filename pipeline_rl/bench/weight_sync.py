@@ -262,7 +262,7 @@ def _apply_table(results: list[SizeResult], bucket: int, main_apply: str) -> tup
 
 
 def _warm_table(results: list[SizeResult]) -> str:
-    """A new group's untimed first pushes, by position, beside the timed pushes that follow them."""
+    """A new group's untimed first pushes, by position (the median over the groups at each)."""
     rows = []
     for r in results:
         for label, groups in sorted(r.warm_pushes.items()):

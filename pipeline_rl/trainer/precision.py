@@ -1,22 +1,28 @@
 """Whether bf16 mixed precision pays on this machine's CPU: one check for the trainer and the benchmarks.
 
-torch runs bf16 matmuls on the CPU through oneDNN, which needs AVX-512 (or AMX) on x86 and BF16 on Arm.
-Without them (an AVX2-only x86) it falls back to a slow path: on a 2-core AVX2 EPYC a 512x2560 by
-2560x2560 matmul took 18 s in bf16 against 0.16 s in float32 (114x), the default 256x1024 one 50-77x,
-so a bf16 step there takes minutes (docs/benchmarks.md, F19). See for yourself on any machine:
+torch runs bf16 matmuls on the CPU through oneDNN, which computes in bf16 only where the CPU has bf16
+instructions: AVX512_BF16 or AMX-BF16 on x86, BF16 on Arm. Elsewhere it converts: on a 2-core AVX2 EPYC
+a 512x2560 by 2560x2560 matmul took 18 s in bf16 against 0.16 s in float32 (114x), the default 256x1024
+one 50-77x, so a bf16 step there takes minutes (docs/benchmarks.md, F19); on a 2-core Xeon with AVX-512
+but without AVX512_BF16, where torch's own check says bf16 is supported, the 256x1024 one took 3.2x and 3.5x
+float32's time in two runs (2026-11-29). See for yourself on any machine:
 
     .venv/bin/python -m pipeline_rl.trainer.precision [--rows 512 --width 2560]
 """
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 
 import torch
 
-# How much slower torch's bf16 matmuls ran than float32 on an AVX2 EPYC (F19: 49.5x, 76.5x, 113.8x).
-BF16_FALLBACK_SLOWDOWN = "50-114x"
+# How much slower torch's bf16 matmuls ran than float32 without bf16 instructions: 3.2-3.5x on an AVX-512
+# Xeon (2026-11-29), 49.5x, 76.5x and 113.8x on an AVX2 EPYC (F19).
+BF16_FALLBACK_SLOWDOWN = "3-114x"
+# x86 CPU flags (Linux /proc/cpuinfo) of the instructions that compute in bf16.
+X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_capability() -> str:
@@ -25,22 +31,44 @@ def cpu_capability() -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True where oneDNN runs bf16 matmuls natively on this CPU (torch's own check)."""
+    """True where this CPU computes bf16 matmuls in bf16: on x86 it lists AVX512_BF16 or AMX-BF16 among
+    its flags (torch's own check also says yes for plain AVX-512, where oneDNN converts to float32 and
+    is slower than float32); elsewhere, or without /proc/cpuinfo, torch's check."""
+    flags = x86_cpu_flags()
+    if flags is not None:
+        return any(flag in flags for flag in X86_BF16_FLAGS)
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch without the op (or without oneDNN)
-        return cpu_capability().startswith("AVX512")
+        return False
+
+
+def x86_cpu_flags() -> set[str] | None:
+    """The first CPU's flags from /proc/cpuinfo on x86 Linux; None on other machines."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
 
 
 def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
-    """Refuse bf16 mixed precision on a CPU that has no native bf16: its matmuls would take many times
-    longer than in float32, a run that looks hung. Raises ValueError saying what to set instead."""
+    """Refuse bf16 mixed precision on a CPU that has no bf16 instructions: its matmuls take 3 to over 100
+    times longer than in float32 (the latter a run that looks hung). Raises ValueError saying what to set
+    instead."""
     if mixed_precision != "bf16" or device.type != "cpu" or cpu_has_native_bf16():
         return
     raise ValueError(
-        f"trainer.mixed_precision=bf16 needs a CPU with native bf16 (AVX-512 or AMX on x86, BF16 on Arm); "
-        f"this one has {cpu_capability()}, where torch's bf16 matmuls ran {BF16_FALLBACK_SLOWDOWN} slower than "
-        "float32 (python -m pipeline_rl.trainer.precision measures it): set trainer.mixed_precision=no"
+        f"trainer.mixed_precision=bf16 needs a CPU with bf16 instructions (AVX512_BF16 or AMX-BF16 on x86, "
+        "BF16 on Arm); "
+        f"this one ({cpu_capability()}) has none, and without them torch's bf16 matmuls ran "
+        f"{BF16_FALLBACK_SLOWDOWN} slower than float32 (python -m pipeline_rl.trainer.precision measures it "
+        "here): set trainer.mixed_precision=no"
     )
 
 

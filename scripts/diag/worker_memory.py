@@ -6,10 +6,13 @@
 
 Starts one server on a bench model (artifacts/bench-models/<size>, built if missing), pushes the
 model's own weights `--pushes` times with WeightSender (the buckets cycling through --buckets-mib) and
-prints the resident memory of every process of the server after each push. `--group-every K` leaves the
-weight group and forms a new one every K pushes, as a trainer does when the fleet changes: the worker
-hands its staging buffers back then (vllm_worker.py), so its floor after each new group shows whether
-anything of the earlier updates is still held. docs/benchmarks.md (F5) quotes its output.
+prints, after each push, its time end to end, the server's prepare time (load and prepack beside the
+live model, F5), the minor page faults the server's processes took during the push (each one a first
+touch of memory the allocator got fresh from the OS) and the resident memory of every process of the
+server. `--group-every K` leaves the weight group and forms a new one every K pushes, as a trainer does
+when the fleet changes: the worker hands its staging buffers back then (vllm_worker.py), so its floor
+after each new group shows whether anything of the earlier updates is still held. docs/benchmarks.md
+(F5) quotes its output.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ from inference_shim.weight_sender import WeightSender
 from pipeline_rl.bench.models import bench_model, load_named_tensors
 
 MiB = 2**20
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults so far of the process and its descendants (/proc/<pid>/stat, field 10)."""
+    total = 0
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        with open(f"/proc/{p.pid}/stat") as f:
+            total += int(f.read().rsplit(")", 1)[1].split()[7])
+    return total
 
 
 def process_rss_mb(pid: int) -> list[int]:
@@ -64,15 +76,23 @@ def main() -> None:
     try:
         wait_healthy(url, 300, server, log_path)
         print(f"server log: {log_path}")
-        print("push  bucket MiB  group  then       RSS MiB of the server's processes (worker last)")
-        print(f"{'-':>4}  {'-':>10}  {'-':>5}  {'':9}  {process_rss_mb(server.pid)}")
+        print(
+            "push  bucket MiB  group  push ms  prepare ms  faults  then       "
+            "RSS MiB of the server's processes (worker last)"
+        )
+        print(
+            f"{'-':>4}  {'-':>10}  {'-':>5}  {'':>7}  {'':>10}  {'':>6}  {'':9}  {process_rss_mb(server.pid)}"
+        )
         group = 1
         sender = WeightSender([url], timeout_s=300)
         sender.connect()
         for version in range(1, args.pushes + 1):
             bucket = buckets[(version - 1) % len(buckets)]
             sender.bucket_bytes = bucket
-            sender.push_tensors(version, named)
+            faults = minor_faults(server.pid)
+            report = sender.push_tensors(version, named)
+            faults = minor_faults(server.pid) - faults
+            prepare_ms = 1000 * max(r.prepare_seconds for r in report.results)
             then = ""
             if args.group_every and version % args.group_every == 0 and version < args.pushes:
                 sender.close()  # the server leaves the group and frees its staging buffers
@@ -80,7 +100,10 @@ def main() -> None:
                 sender.connect()
                 then = "new group"
             time.sleep(0.5)
-            print(f"{version:>4}  {bucket // MiB:>10}  {group:>5}  {then:9}  {process_rss_mb(server.pid)}")
+            print(
+                f"{version:>4}  {bucket // MiB:>10}  {group:>5}  {1000 * report.total_seconds:>7.0f}  "
+                f"{prepare_ms:>10.0f}  {faults:>6}  {then:9}  {process_rss_mb(server.pid)}"
+            )
             group += bool(then)
     finally:
         if sender is not None:

@@ -182,7 +182,7 @@ def test_killed_child_stops_the_run_and_is_named(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(cpu_has_native_bf16(), reason="the fault needs a CPU without native bf16 (AVX2-only)")
+@pytest.mark.skipif(cpu_has_native_bf16(), reason="the fault needs a CPU without bf16 instructions")
 def test_a_failed_trainer_says_why_below_its_wrappers_traceback(tiny_model, tmp_path):
     """A real trainer failure on this CPU (bf16 refused, pipeline_rl/trainer/precision.py): accelerate's
     traceback fills the log's tail, and the launcher still prints the trainer's own reason and the fix."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -31,6 +32,31 @@ def test_bf16_on_a_cpu_without_native_bf16_is_refused_with_the_fix(monkeypatch) 
 def test_bf16_on_a_cpu_with_native_bf16_is_accepted(monkeypatch) -> None:
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     precision.check_mixed_precision("bf16", CPU)
+
+
+def test_on_x86_native_bf16_means_the_cpu_flags_not_torchs_check(monkeypatch) -> None:
+    """torch's own check says yes on any AVX-512 x86, where oneDNN converts bf16 to float32 and a matmul
+    took 3.2-3.5x float32's time (an AVX-512 Xeon without AVX512_BF16): only the bf16 flags count there."""
+    avx512 = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    monkeypatch.setattr(precision, "x86_cpu_flags", lambda: avx512)
+    assert not precision.cpu_has_native_bf16()
+    monkeypatch.setattr(precision, "x86_cpu_flags", lambda: avx512 | {"avx512_bf16"})
+    assert precision.cpu_has_native_bf16()
+    monkeypatch.setattr(precision, "x86_cpu_flags", lambda: avx512 | {"amx_bf16", "amx_tile"})
+    assert precision.cpu_has_native_bf16()
+
+
+def test_off_x86_native_bf16_is_torchs_check(monkeypatch) -> None:
+    monkeypatch.setattr(precision, "x86_cpu_flags", lambda: None)
+    assert precision.cpu_has_native_bf16() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_this_machines_flags_are_read_on_x86() -> None:
+    flags = precision.x86_cpu_flags()
+    if platform.machine() == "x86_64":
+        assert flags is not None and "sse2" in flags  # every x86-64 CPU has it
+    else:
+        assert flags is None
 
 
 def test_the_trainer_process_checks_before_it_loads_anything(tmp_path) -> None:
