@@ -45,11 +45,11 @@ SERVER_BASE_BYTES = 3.2e9
 # bucket layouts, back to 2.07 GB after each group (scripts/diag/worker_memory.py, docs/benchmarks.md F5).
 SERVER_WEIGHT_COPIES = 6
 DEFAULT_BUCKET_MIB = 256  # inference_shim.protocol.DEFAULT_BUCKET_BYTES
-# Untimed pushes into each new weight group before the timed ones. A group's first updates are slower
-# while the worker's allocator comes to hold what an update needs (at 100 MB, one server, one group:
-# prepare 246, 96, 124, 96, then 51-68 ms from the fifth push on; 2026-11-29, a scratch probe of 14
-# pushes). A run keeps one group for all its pushes, so the timed pushes measure that steady state; the
-# first pushes' own times are reported in their own table.
+# Untimed pushes into each new weight group before the timed ones. A group's first updates are slower:
+# the server touches fresh memory for the first time (100 MB, 1 server: pushes 1-2 took 343 and 259 ms,
+# pushes 3-5 165-171 ms, in section 1 of 2026-11-29; scripts/diag/worker_memory.py counts the page
+# faults). A run keeps one group for all its pushes, so the timed pushes measure that steady state; the
+# untimed pushes' times are reported in a table of their own.
 GROUP_WARM_PUSHES = 5
 
 
@@ -64,7 +64,8 @@ class SizeResult:
     pushes: dict[tuple[int, int], list[dict]] = field(default_factory=dict)
     # the same per-push dicts for the server that applies with vLLM's reload path inside the pause
     reload_pushes: list[dict] = field(default_factory=list)
-    # "servers, apply" -> per new group, the total seconds of its GROUP_WARM_PUSHES untimed first pushes
+    # "servers, apply" (the A/B server's apply marked so) -> per new group, the total seconds of its
+    # GROUP_WARM_PUSHES untimed first pushes
     warm_pushes: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def add(self, key: tuple[str, int, int], seconds: float) -> None:
@@ -129,12 +130,13 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
         sender = WeightSender(targets, timeout_s=300)
         sender.connect()
         try:
-            # Untimed first pushes, cycling through the bucket sizes from the largest: the sender's pack
-            # buffers and every layout's staging buffers are allocated, and the servers reach the steady
-            # state of a group (GROUP_WARM_PUSHES); the timed pushes then see what a run sees.
+            # Untimed first pushes, cycling through this round's bucket sizes from the largest: the
+            # sender's pack buffers and each layout's staging buffers are allocated, and the servers
+            # reach the steady state of a group (GROUP_WARM_PUSHES); the timed pushes see what a run sees.
+            layouts_mib = sorted(set(buckets), reverse=True)
             warm = []
             for i in range(GROUP_WARM_PUSHES):
-                sender.bucket_bytes = sorted(buckets_mib, reverse=True)[i % len(buckets_mib)] * MiB
+                sender.bucket_bytes = layouts_mib[i % len(layouts_mib)] * MiB
                 version[0] += 1
                 warm.append(sender.push_tensors(version[0], named).total_seconds)
             result.warm_pushes.setdefault(f"{len(targets)}, {apply}", []).append(warm)
@@ -179,7 +181,7 @@ def _measure_size(ctx: BenchContext, size: str, buckets_mib: list[int], version:
             [reload_url],
             [_default_bucket(buckets_mib)],
             lambda _b, push: result.reload_pushes.append(push),
-            apply="reload in pause",
+            apply="reload in pause, A/B server",
         )
 
     with RawGloo(1) as gloo1, RawGloo(2) as gloo2:
@@ -517,7 +519,8 @@ def run(ctx: BenchContext) -> dict:
     )
     warm_intro = (
         f"A new weight group's first {GROUP_WARM_PUSHES} pushes (untimed above; total s, medians over the "
-        "groups; buckets cycling from the largest):"
+        "groups; cycling through the round's bucket sizes from the largest, the A/B server's at the default "
+        "size only):"
     )
     apply_intro = (
         f"Applying an update, 1 server, {default_bucket} MiB buckets, the same rotation: prepared beside the "

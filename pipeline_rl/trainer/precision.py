@@ -23,6 +23,7 @@ import torch
 BF16_FALLBACK_SLOWDOWN = "3-114x"
 # x86 CPU flags (Linux /proc/cpuinfo) of the instructions that compute in bf16.
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686")  # platform.machine(), lower-cased
 
 
 def cpu_capability() -> str:
@@ -31,9 +32,10 @@ def cpu_capability() -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True where this CPU computes bf16 matmuls in bf16: on x86 it lists AVX512_BF16 or AMX-BF16 among
-    its flags (torch's own check also says yes for plain AVX-512, where oneDNN converts to float32 and
-    is slower than float32); elsewhere, or without /proc/cpuinfo, torch's check."""
+    """True where this CPU computes bf16 matmuls in bf16: on x86 Linux it lists AVX512_BF16 or AMX-BF16
+    among its flags (torch's own check also says yes for plain AVX-512, where oneDNN converts to float32
+    and is slower than float32); elsewhere torch's check, which on an x86 Mac with AVX-512 and no bf16
+    says yes too. Linux before 5.2 does not list avx512_bf16, so a bf16 CPU there reads as without."""
     flags = x86_cpu_flags()
     if flags is not None:
         return any(flag in flags for flag in X86_BF16_FLAGS)
@@ -43,12 +45,13 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def x86_cpu_flags() -> set[str] | None:
-    """The first CPU's flags from /proc/cpuinfo on x86 Linux; None on other machines."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+def x86_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The first CPU's flags (Linux lists the same for every CPU) from /proc/cpuinfo on x86 Linux; None
+    on other machines or without the file."""
+    if platform.machine().lower() not in X86_MACHINES:
         return None
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
                     return set(line.split(":", 1)[1].split())

@@ -43,8 +43,11 @@ def minor_faults(pid: int) -> int:
     """Minor page faults so far of the process and its descendants (/proc/<pid>/stat, field 10)."""
     total = 0
     for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        with open(f"/proc/{p.pid}/stat") as f:
-            total += int(f.read().rsplit(")", 1)[1].split()[7])
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[7])
+        except FileNotFoundError:  # a helper process that exited meanwhile
+            continue
     return total
 
 

@@ -48,13 +48,30 @@ def test_on_x86_native_bf16_means_the_cpu_flags_not_torchs_check(monkeypatch) ->
 
 def test_off_x86_native_bf16_is_torchs_check(monkeypatch) -> None:
     monkeypatch.setattr(precision, "x86_cpu_flags", lambda: None)
-    assert precision.cpu_has_native_bf16() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert precision.cpu_has_native_bf16()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert not precision.cpu_has_native_bf16()
+
+
+def test_the_flags_line_is_read_not_the_vmx_flags_line(tmp_path, monkeypatch) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nvmx flags\t: vnmi avx512_bf16_fake\n"
+        "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\nbugs\t\t: spectre_v1\n\n"
+        "processor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16\n"
+    )
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert precision.x86_cpu_flags(str(cpuinfo)) == {"fpu", "sse2", "avx2", "avx512f", "avx512_vnni"}
+    assert precision.x86_cpu_flags(str(tmp_path / "missing")) is None
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # an Arm cpuinfo says "Features"
+    assert precision.x86_cpu_flags(str(cpuinfo)) is None
 
 
 def test_this_machines_flags_are_read_on_x86() -> None:
     flags = precision.x86_cpu_flags()
-    if platform.machine() == "x86_64":
-        assert flags is not None and "sse2" in flags  # every x86-64 CPU has it
+    if platform.machine().lower() in precision.X86_MACHINES and os.path.exists("/proc/cpuinfo"):
+        assert flags is not None and "sse2" in flags  # every x86 CPU that runs torch has it
     else:
         assert flags is None
 
