@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -114,6 +115,10 @@ class Actor:
         self.failure: BaseException | None = None
         self.rollouts = make_writer(cfg.streams, ROLLOUTS)
         self.stats = make_writer(cfg.streams, STATS)
+        # One thread writes every stats record, in the order they were made: a periodic write still
+        # running when the actor stops (a cancelled await does not stop its thread) could otherwise land
+        # after the final record and leave an older count last in the stream.
+        self.stats_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"actor{actor_index}-stats")
         self.write_lock = asyncio.Lock()
         clients = [AsyncShimClient(u, cfg.inference.token, a.request_timeout_s) for u in cfg.inference.urls]
         self.fleet = FleetWatch(cfg.run_dir, cfg.inference.urls)
@@ -166,7 +171,8 @@ class Actor:
             await asyncio.gather(*groups, *helpers, return_exceptions=True)
             self.summary.elapsed_s = time.monotonic() - start
             with contextlib.suppress(Exception):  # a last record must never mask the real error
-                await asyncio.to_thread(self.stats.write, self._stats_record())
+                await self._write_stats(self._stats_record())
+            self.stats_thread.shutdown(wait=False)
             self.grader.close()
             self.ledger.close()
             for server in self.router.servers:
@@ -473,8 +479,10 @@ class Actor:
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.actor.stats_interval_s)
-            record = self._stats_record()
-            await asyncio.to_thread(self.stats.write, record)
+            await self._write_stats(self._stats_record())
+
+    async def _write_stats(self, record: StatsRecord) -> None:
+        await asyncio.wrap_future(self.stats_thread.submit(self.stats.write, record))
 
     def _account(self, samples: list[Sample]) -> None:
         w = self.window
