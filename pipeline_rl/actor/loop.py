@@ -170,8 +170,10 @@ class Actor:
                 task.cancel()
             await asyncio.gather(*groups, *helpers, return_exceptions=True)
             self.summary.elapsed_s = time.monotonic() - start
-            with contextlib.suppress(Exception):  # a last record must never mask the real error
+            try:
                 await self._write_stats(self._stats_record())
+            except Exception as e:  # a last record must never mask the real error; say it is missing
+                logger.warning("actor%d: its final stats record was not written: %s", self.index, e)
             self.stats_thread.shutdown(wait=False)
             self.grader.close()
             self.ledger.close()
