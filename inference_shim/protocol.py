@@ -358,6 +358,9 @@ class DebugState(BaseModel):
     in_flight_requests: int
     paused: bool
     updates_applied: int
+    # The engine applies an update in one call between two of its decode steps, without pausing
+    # (vLLM: inference_shim/vllm_engine_core.py); false: pause, apply, label, resume.
+    applies_between_steps: bool = False
     updates_failed: int = 0
     # Started with --await-weights and no update applied yet: generation answers 503 awaiting_weights.
     awaiting_weights: bool = False

@@ -17,6 +17,9 @@ State every backend keeps (set once, in Backend.__init__):
                    generation answer 503 awaiting_weights until the first update is applied, so nobody
                    samples the start-up weights the trainer has long left behind
   paused, in_flight, updates_applied
+  applies_between_steps
+                   the engine applies an update in one call that runs between two of its decode steps
+                   (vLLM: inference_shim/vllm_engine_core.py); set by start() where the engine offers it
 
 The lifecycle (template methods here; engines fill in the hooks named in brackets):
   init_process_group     connect the shim's store client (proves the trainer is there), then
@@ -28,6 +31,8 @@ The lifecycle (template methods here; engines fill in the hooks named in bracket
                            -> [_pause] -> [_apply] -> [_set_version_label] and [_reset_cache] (sent
                            together) -> [_resume]
                            -> publish the version -> write the result key for the trainer.
+                         Where applies_between_steps: [_apply_between_steps] instead of pause -> ...
+                         -> resume (apply, label and KV reset in one engine call between two steps).
                          Every step from the pause to the resume shares one deadline (timeout_s), so a
                          stuck engine call fails the update instead of leaving it pending forever.
                          On failure: record it (unhealthy if weights may be mixed); if weights may be
@@ -100,6 +105,7 @@ class Backend(abc.ABC):
         self.vocab_size: int | None = None
         self.awaiting_weights = False
         self.paused = False
+        self.applies_between_steps = False
         self.updates_applied = 0
         self.updates_failed = 0
         self.reprefilled_tokens = 0
@@ -167,6 +173,13 @@ class Backend(abc.ABC):
     async def _set_version_label(self, version: int) -> None:
         """Tokens decoded from now on are labelled `version` (still paused)."""
         return None
+
+    async def _apply_between_steps(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
+        """Where applies_between_steps: apply the update, set the version label and reset the KV cache (as
+        _reset_cache would) in one engine call that no decode step overlaps; fill in result.apply_seconds
+        and result.pause_seconds (how long the engine did not step for it). On failure the engine must be
+        left paused, as the lifecycle's recovery expects after a failed apply."""
+        raise NotImplementedError(f"{type(self).__name__} does not apply updates between engine steps")
 
     async def _reset_cache(self) -> None:
         """Drop KV the old weights computed, where kv_after_update asks for it (still paused)."""
@@ -277,21 +290,30 @@ class Backend(abc.ABC):
             await self._wait_received(req, result)
             fault_point("server.received")  # chaos tests: the server dies between receive and apply
             await self._check_not_cancelled(req, group, store)
-            paused_at = time.perf_counter()
             deadline = time.monotonic() + req.timeout_s  # the contract's "then again for applying"
-            paused = self.paused = True
-            await _within(deadline, "pausing generation", self._pause())
-            applying = True  # from here until the resume, the engine may hold a mix of weights
-            await _within(deadline, "applying the weights", self._apply(req, result))
-            # Label and KV reset are independent engine calls: sent together, the pause waits for one
-            # round trip instead of two (~0.5 ms of a ~5 ms pause on vLLM-CPU).
-            label_and_reset = asyncio.gather(self._set_version_label(req.version), self._reset_cache())
-            await _within(
-                deadline, "setting the version label and resetting the prefix cache", label_and_reset
-            )
-            await _within(deadline, "resuming generation", self._resume())
+            if self.applies_between_steps:
+                # A failure leaves the engine paused with weights that may be mixed: recover as below.
+                paused = applying = self.paused = True
+                await _within(
+                    deadline,
+                    "applying the weights between two engine steps",
+                    self._apply_between_steps(req, result),
+                )
+            else:
+                paused_at = time.perf_counter()
+                paused = self.paused = True
+                await _within(deadline, "pausing generation", self._pause())
+                applying = True  # from here until the resume, the engine may hold a mix of weights
+                await _within(deadline, "applying the weights", self._apply(req, result))
+                # Label and KV reset are independent engine calls: sent together, the pause waits for one
+                # round trip instead of two (~0.5 ms of a ~5 ms pause on vLLM-CPU).
+                label_and_reset = asyncio.gather(self._set_version_label(req.version), self._reset_cache())
+                await _within(
+                    deadline, "setting the version label and resetting the prefix cache", label_and_reset
+                )
+                await _within(deadline, "resuming generation", self._resume())
+                result.pause_seconds = time.perf_counter() - paused_at
             paused = applying = self.paused = False
-            result.pause_seconds = time.perf_counter() - paused_at
             self._publish_update(result)
         except BaseException as e:
             partial = self._partially_applied(applying)
@@ -427,6 +449,7 @@ class Backend(abc.ABC):
             in_flight_requests=self.in_flight,
             paused=self.paused,
             updates_applied=self.updates_applied,
+            applies_between_steps=self.applies_between_steps,
             updates_failed=self.updates_failed,
             awaiting_weights=self.awaiting_weights,
             reprefilled_tokens=self.reprefilled_tokens,

@@ -8,9 +8,11 @@ Weight updates follow base.Backend's lifecycle; this file fills its hooks with w
   arm the workers' background receive -> 200 to the trainer
   ... trainer writes "go" and broadcasts; workers stage the buckets while decoding continues ...
   (on CPU each worker then prepares the new weights beside the live model: vllm_shadow.py)
-  wait for every worker's WorkerReceipt -> pause (mode=keep: in-flight requests are frozen, not
-  aborted) -> pr_apply (swap in the prepared weights, else vLLM's reload path) -> set the engine's weight-version label -> drop KV computed
-  by the old weights -> resume.
+  wait for every worker's WorkerReceipt -> one engine-core call between two decode steps
+  (inference_shim/vllm_engine_core.py): pr_apply on every worker (swap in the prepared weights, else
+  vLLM's reload path), set the engine's weight-version label, drop KV computed by the old weights where
+  kv_after_update=recompute. Where the engine core lacks that call: pause (mode=keep: in-flight requests
+  are frozen, not aborted) -> pr_apply -> label -> KV reset -> resume.
 vLLM labels the output of every engine step with the label current at that step, so the per-token
 version spans it returns are exact.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Literal
@@ -35,6 +38,7 @@ from inference_shim.backends.common import (
     resolve_max_model_len,
     served_name,
 )
+from inference_shim.backends.join import short
 from inference_shim.backends.vllm_tools import VllmToolParser, structured_outputs, vllm_tool_parser_class
 from inference_shim.metrics import ShimMetrics
 from inference_shim.openai_protocol import VersionSpan
@@ -50,11 +54,13 @@ from inference_shim.protocol import (
     received_key,
     verify_value,
 )
+from inference_shim.vllm_engine_core import SWAP_PROTOCOL
 
 if TYPE_CHECKING:
     from inference_shim.tool_calls import ToolCallParser
 
 WORKER_EXTENSION = "inference_shim.vllm_worker.WeightReceiverExtension"
+log = logging.getLogger("inference_shim")
 
 
 class VllmOptions(BaseModel):
@@ -161,6 +167,7 @@ class VllmBackend(Backend):
         self.engine = AsyncLLM.from_engine_args(args)
         await self.engine.update_weight_version("0")
         await self._rpc("pr_cap_idle_sleep", 60.0)  # F15: a lost wake-up must not stall decoding 5 s
+        self.applies_between_steps = await self._engine_core_swaps()
         self.tokenizer = AutoTokenizer.from_pretrained(o.model)
         engine_dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
         # The trainer must send tensors in the engine's dtype, under the checkpoint's names and shapes.
@@ -356,6 +363,36 @@ class VllmBackend(Backend):
         result.prepare_seconds = max(r.prepare_seconds for r in receipts)
         result.total_bytes = receipts[0].bytes
 
+    async def _engine_core_swaps(self) -> bool:
+        """Whether the engine core offers pr_swap_weights, atomic with respect to its steps."""
+        try:
+            protocol = await asyncio.wait_for(
+                self.engine.engine_core.call_utility_async("pr_swap_protocol"), 60
+            )
+        except Exception as e:  # noqa: BLE001 - any failure means: use the pause path
+            log.warning(
+                "updates pause generation: the engine core has no pr_swap_weights (%s); reinstall the project "
+                "(`make setup`) so that vLLM loads inference_shim.vllm_engine_core as a plugin",
+                short(e),
+            )
+            return False
+        if protocol != SWAP_PROTOCOL:
+            log.info("updates pause generation: this engine may have a step in flight during a utility call")
+        return protocol == SWAP_PROTOCOL
+
+    async def _apply_between_steps(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
+        reset_kv = self.options.kv_after_update == "recompute"
+        if reset_kv:
+            self._count_reprefilled()
+        call = self.engine.engine_core.call_utility_async("pr_swap_weights", str(req.version), reset_kv)
+        try:
+            result.pause_seconds, apply_seconds = await asyncio.wait_for(call, timeout=req.timeout_s)
+        finally:
+            # Requests sent from here on are salted for the new weights; the engine has stepped past the
+            # swap, so none of them is computed by the old ones (as after a pause: _pause).
+            self._kv_epoch += 1
+        result.apply_seconds = max(apply_seconds)
+
     async def _pause(self) -> None:
         # Straight to the engine core: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
         # orders log output; every millisecond here is a millisecond without decoding.
@@ -375,11 +412,15 @@ class VllmBackend(Backend):
 
     async def _reset_cache(self) -> None:
         if self.options.kv_after_update == "recompute":
-            # Non-streamed requests report no tokens until they end: their generated part is not counted.
-            dropped = sum(self._request_tokens.values())
-            self.reprefilled_tokens += dropped
-            self.metrics.reprefilled_tokens.inc(dropped)
+            self._count_reprefilled()
             await self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    def _count_reprefilled(self) -> None:
+        """Count the tokens whose KV a reset is about to drop. Non-streamed requests report no tokens
+        until they end: their generated part is not counted."""
+        dropped = sum(self._request_tokens.values())
+        self.reprefilled_tokens += dropped
+        self.metrics.reprefilled_tokens.inc(dropped)
 
     async def _resume(self) -> None:
         await self.engine.resume_generation()

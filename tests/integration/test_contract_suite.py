@@ -398,6 +398,9 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
         # the pause (its graphs hold the parameters' addresses).
         if deployment.kind == "vllm" and not torch.cuda.is_available():
             assert state["last_update"]["prepare_seconds"] > 0, state["last_update"]
+            # ... in one engine-core call between two decode steps (the project's vLLM plugin), with
+            # no pause around it: the spans above are exact all the same.
+            assert state["applies_between_steps"], "the engine core lacks pr_swap_weights: `make setup`"
         _assert_serves(deployment, url, models["other"] if pushes % 2 else models["base"])
     metrics = httpx.get(f"{servers[0]}/metrics", timeout=10).text
     assert f"shim_weight_version {float(version)}" in metrics

@@ -25,6 +25,7 @@ from inference_shim.protocol import (
 )
 
 VOCAB = 100
+PAUSE_BETWEEN_STEPS_S = 0.002  # what the fake engine reports as its time without a step for an update
 
 
 class FakeBackend(Backend):
@@ -119,6 +120,10 @@ class FakeBackend(Backend):
 
     async def _apply(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
         await self._hook("apply")
+
+    async def _apply_between_steps(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
+        await self._hook("apply_between_steps")
+        result.pause_seconds = PAUSE_BETWEEN_STEPS_S
 
     async def _set_version_label(self, version: int) -> None:
         await self._hook("set_version_label")

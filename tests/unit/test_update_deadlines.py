@@ -12,7 +12,7 @@ import asyncio
 
 import httpx
 import pytest
-from _fake_backend import FakeBackend
+from _fake_backend import PAUSE_BETWEEN_STEPS_S, FakeBackend
 
 from inference_shim.backends.common import ContractError, SamplingRequest
 from inference_shim.protocol import GroupState, TensorMeta, WeightUpdateRequest
@@ -138,3 +138,29 @@ def test_an_applied_update_after_a_failed_apply_serves_again():
     assert backend.unhealthy is None and backend.version == 1
     backend.check_can_generate()  # no 503 any more
     assert backend.debug_state().updates_failed == 1
+
+
+def test_an_engine_that_applies_between_steps_is_never_paused_for_an_update():
+    backend = FakeBackend()
+    backend.applies_between_steps = True
+    _update(backend)
+    assert backend.version == 1 and backend.pending is None and backend.last_error is None
+    assert backend.calls == ["wait_received", "apply_between_steps"]  # no pause, label or resume call
+    assert backend.last_update.pause_seconds == PAUSE_BETWEEN_STEPS_S  # the engine's own figure
+    assert not backend.paused and backend.debug_state().applies_between_steps
+
+
+@pytest.mark.parametrize("fault", ["fail", "hang"])
+def test_a_failed_apply_between_steps_ends_requests_in_flight_and_resumes(fault):
+    """The engine leaves itself paused when its apply fails (weights may be mixed): the lifecycle aborts
+    what is in flight, resumes and marks the weights incomplete, as after a failed apply in a pause."""
+    backend = FakeBackend()
+    backend.applies_between_steps = True
+    getattr(backend, fault).add("apply_between_steps")
+    _update(backend)
+    assert backend.pending is None and backend.version == 0 and not backend.paused
+    assert backend.calls == ["wait_received", "apply_between_steps", "abort_in_flight", "resume", "discard"]
+    assert backend.unhealthy and "partially applied" in backend.unhealthy
+    with pytest.raises(ContractError) as e:
+        backend.check_can_generate()
+    assert e.value.error == "weights_incomplete"
