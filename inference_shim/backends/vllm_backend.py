@@ -382,16 +382,18 @@ class VllmBackend(Backend):
 
     async def _apply_between_steps(self, req: WeightUpdateRequest, result: UpdateResult) -> None:
         reset_kv = self.options.kv_after_update == "recompute"
-        if reset_kv:
-            self._count_reprefilled()
         call = self.engine.engine_core.call_utility_async("pr_swap_weights", str(req.version), reset_kv)
         try:
-            result.pause_seconds, apply_seconds = await asyncio.wait_for(call, timeout=req.timeout_s)
+            result.pause_seconds, apply_seconds, dropped = await asyncio.wait_for(call, timeout=req.timeout_s)
         finally:
             # Requests sent from here on are salted for the new weights; the engine has stepped past the
             # swap, so none of them is computed by the old ones (as after a pause: _pause).
             self._kv_epoch += 1
         result.apply_seconds = max(apply_seconds)
+        # Counted by the engine at the reset: the running requests' computed tokens (prompt and generated,
+        # streamed or not).
+        self.reprefilled_tokens += dropped
+        self.metrics.reprefilled_tokens.inc(dropped)
 
     async def _pause(self) -> None:
         # Straight to the engine core: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
@@ -412,15 +414,11 @@ class VllmBackend(Backend):
 
     async def _reset_cache(self) -> None:
         if self.options.kv_after_update == "recompute":
-            self._count_reprefilled()
+            # Non-streamed requests report no tokens until they end: their generated part is not counted.
+            dropped = sum(self._request_tokens.values())
+            self.reprefilled_tokens += dropped
+            self.metrics.reprefilled_tokens.inc(dropped)
             await self.engine.reset_prefix_cache(reset_running_requests=True)
-
-    def _count_reprefilled(self) -> None:
-        """Count the tokens whose KV a reset is about to drop. Non-streamed requests report no tokens
-        until they end: their generated part is not counted."""
-        dropped = sum(self._request_tokens.values())
-        self.reprefilled_tokens += dropped
-        self.metrics.reprefilled_tokens.inc(dropped)
 
     async def _resume(self) -> None:
         await self.engine.resume_generation()

@@ -370,6 +370,7 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
         for t in threads:
             t.join(180)
         sender.close()
+    assert not any(t.is_alive() for t in threads), "a client's last request did not end within 180 s"
 
     for report in reports:
         assert report.num_buckets >= 1 and len(report.results) == 2 and all(r.ok for r in report.results)
@@ -397,10 +398,12 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
     # its requests labelled with a single version (open question, docs/contract.md "Version spans").
     assert sum(spanning.values()) >= 1, f"requests spanning an update per server: {spanning} (not inflight)"
 
+    reprefilled = 0
     for url in servers:
         state = httpx.get(f"{url}/debug/state", timeout=10).json()
         assert state["weight_version"] == version
         assert state["last_update"]["version"] == version
+        reprefilled += state["reprefilled_tokens"]
         assert state["last_update"]["receive_seconds"] > 0 and state["last_update"]["pause_seconds"] > 0
         # On CPU vLLM builds the update beside the live model, then swaps it in; CUDA vLLM reloads in
         # the pause (its graphs hold the parameters' addresses).
@@ -410,6 +413,10 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
             # no pause around it: the spans above are exact all the same.
             assert state["applies_between_steps"], "the engine core lacks pr_swap_weights: `make setup`"
         _assert_serves(deployment, url, models["other"] if pushes % 2 else models["base"])
+    if deployment.kind == "vllm":
+        # kv_after_update=recompute, the shim's default: the KV of the requests that spanned an update
+        # was dropped at the swap and computed again, and the engine counted it.
+        assert reprefilled > 0
     metrics = httpx.get(f"{servers[0]}/metrics", timeout=10).text
     assert f"shim_weight_version {float(version)}" in metrics
 
