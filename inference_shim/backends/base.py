@@ -292,8 +292,9 @@ class Backend(abc.ABC):
             await self._check_not_cancelled(req, group, store)
             deadline = time.monotonic() + req.timeout_s  # the contract's "then again for applying"
             if self.applies_between_steps:
-                # A failure leaves the engine paused with weights that may be mixed: recover as below.
-                paused = applying = self.paused = True
+                # Decoding goes on around this call (self.paused stays false); a failure leaves the engine
+                # paused with weights that may be mixed: recover as below.
+                paused = applying = True
                 await _within(
                     deadline,
                     "applying the weights between two engine steps",
@@ -316,6 +317,7 @@ class Backend(abc.ABC):
             paused = applying = self.paused = False
             self._publish_update(result)
         except BaseException as e:
+            self.paused = paused  # the engine may be paused now, whichever path failed
             partial = self._partially_applied(applying)
             self._record_failed_update(result, e, partially_applied=partial)
             if isinstance(e, asyncio.CancelledError):  # shutting down: no engine call may block it
