@@ -51,7 +51,7 @@ from _servers import (
 )
 
 from inference_shim.client import ShimClient
-from inference_shim.protocol import Bucket, BucketSlot, TensorMeta, plan_buckets
+from inference_shim.protocol import DEFAULT_BUCKET_BYTES, Bucket, BucketSlot, TensorMeta, plan_buckets
 from inference_shim.transfer import connect_store
 from inference_shim.weight_sender import WeightPushError, WeightSender
 from inference_shim.wires import choose_wire, packed_bucket
@@ -425,15 +425,26 @@ def test_inflight_update_reaches_two_servers_in_one_broadcast(deployment, models
 def test_successive_updates_in_one_group_are_each_served_exactly(deployment, models):
     # Servers keep their staging buffers between the updates of one group (each update is received
     # into the memory the previous one was applied from): every update must still be served exactly.
+    # Every other update comes in small buckets, whose staging buffers the next update reuses or grows,
+    # and on vLLM-CPU every update must be prepared beside the live model (not reloaded in the pause).
     servers = deployment.urls
     sender = WeightSender(servers, token=TOKEN, backend=deployment.transport, timeout_s=60)
     sender.connect()
     try:
         version = _version(servers[0])
-        for name in ("other", "base", "other", "base"):
+        for name, bucket_bytes in (
+            ("other", 64 * 1024),
+            ("base", None),
+            ("other", None),
+            ("base", 64 * 1024),
+        ):
             version += 1
+            sender.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
             report = sender.push_tensors(version, checkpoint_params(models[name]))
             assert all(r.ok for r in report.results) and [_version(u) for u in servers] == [version] * 2
+            assert report.num_buckets >= (3 if bucket_bytes else 1), report.num_buckets
+            if deployment.kind == "vllm":  # prepared beside the live model, not reloaded in the pause
+                assert all(r.prepare_seconds > 0 for r in report.results), report.results
             for url in servers:
                 _assert_serves(deployment, url, models[name])
     finally:
