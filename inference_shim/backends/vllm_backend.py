@@ -392,8 +392,7 @@ class VllmBackend(Backend):
         result.apply_seconds = max(apply_seconds)
         # Counted by the engine at the reset: the running requests' computed tokens (prompt and generated,
         # streamed or not).
-        self.reprefilled_tokens += dropped
-        self.metrics.reprefilled_tokens.inc(dropped)
+        self._count_reprefilled(dropped)
 
     async def _pause(self) -> None:
         # Straight to the engine core: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
@@ -415,10 +414,13 @@ class VllmBackend(Backend):
     async def _reset_cache(self) -> None:
         if self.options.kv_after_update == "recompute":
             # Non-streamed requests report no tokens until they end: their generated part is not counted.
-            dropped = sum(self._request_tokens.values())
-            self.reprefilled_tokens += dropped
-            self.metrics.reprefilled_tokens.inc(dropped)
+            self._count_reprefilled(sum(self._request_tokens.values()))
             await self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    def _count_reprefilled(self, tokens: int) -> None:
+        """Tokens whose KV a reset dropped, which the engine computes again."""
+        self.reprefilled_tokens += tokens
+        self.metrics.reprefilled_tokens.inc(tokens)
 
     async def _resume(self) -> None:
         await self.engine.resume_generation()
