@@ -1,7 +1,7 @@
 """Where greedy answers to the `remainder` task go wrong: the written chain of subtractions checked line by
 line, for one or more models (a warm-up, an RL checkpoint), on the held-out problems every evaluator grades.
 
-    .venv/bin/python -m pipeline_rl.bench.remainder_errors artifacts/tiny-remainder RUN_DIR/checkpoints/latest/model
+    .venv/bin/python -m pipeline_rl.bench.remainder_errors artifacts/tiny-remainder RUN_DIR/checkpoints/step_NNNNNNNN/model
 
 The grader reads only the final `answer: N`; this says whether a wrong (or right) final answer came from a
 slip in one subtraction, a wrongly copied number, a chain that stops early or runs on, or the final
@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pipeline_rl.launch.demo import RECIPES
     from pipeline_rl.sft_warmup import greedy_texts
     from pipeline_rl.tasks import held_out_problems, make_task
-    from pipeline_rl.tasks.config import TaskConfig
 
     torch.set_num_threads(1)  # as the warm-up's own evaluation: the same numerics on every box
-    task = make_task(TaskConfig(name="remainder"))
+    task = make_task(RECIPES["remainder"].task)
     problems = held_out_problems(task, args.problems)
     for path in args.models:
         tokenizer = AutoTokenizer.from_pretrained(path)
