@@ -140,6 +140,12 @@ def greedy_texts(model, tokenizer, problems: list[Problem], max_tokens: int) -> 
     return texts
 
 
+def right_in_any_format(problem: Problem, text: str) -> bool:
+    """The completion's last integer is the answer, whatever the answer style (`answer: +12` too)."""
+    numbers = re.findall(r"-?\d+", text)
+    return bool(numbers) and numbers[-1] == problem.answer
+
+
 def greedy_accuracy(
     model, tokenizer, task, problems: list[Problem], max_tokens: int = 16, *, any_style: bool = False
 ) -> float:
@@ -149,8 +155,7 @@ def greedy_accuracy(
     correct = 0
     for problem, text in zip(problems, greedy_texts(model, tokenizer, problems, max_tokens), strict=True):
         if any_style:
-            numbers = re.findall(r"-?\d+", text)
-            correct += bool(numbers) and numbers[-1] == problem.answer
+            correct += right_in_any_format(problem, text)
         else:
             correct += task.grade(problem, text) == "correct"
     return correct / len(problems)

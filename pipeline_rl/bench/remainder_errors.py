@@ -16,11 +16,12 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from pipeline_rl.sft_warmup import right_in_any_format
 from pipeline_rl.tasks.base import Problem
+from pipeline_rl.tasks.remainder import operands
 
 _LINE = re.compile(r"^(-?\d+)-(-?\d+)=(-?\d+)$")
 _FINAL = re.compile(r"^answer:\s*([+-]?\d+)$")
-_PROMPT = re.compile(r"Subtract (\d+) from (\d+) until")
 
 # Verdicts, in the order a chain is checked; "right" and "right, signed" have a correct chain and answer.
 RIGHT = "right"
@@ -37,7 +38,7 @@ VERDICTS = (RIGHT, RIGHT_SIGNED, SLIP, COPY, EARLY, OVERSHOOT, DISAGREES, NO_ANS
 
 def check_chain(problem: Problem, text: str) -> tuple[str, int | None]:
     """(verdict, 1-based number of the first bad line or None) for one completion of a remainder problem."""
-    divisor, number = (int(x) for x in _PROMPT.search(problem.messages[0]["content"]).groups())
+    number, divisor = operands(problem.metadata["expr"])
     lines = [line.strip() for line in text.strip().split("\n") if line.strip()]
     finals = [line for line in lines if line.startswith("answer:")]
     if not finals:
@@ -46,7 +47,7 @@ def check_chain(problem: Problem, text: str) -> tuple[str, int | None]:
     if final is None:
         return UNPARSEABLE, None
     current = number
-    chain = [_LINE.match(line) for line in lines if _LINE.match(line)]
+    chain = [match for match in map(_LINE.match, lines) if match]
     for index, match in enumerate(chain, start=1):
         a, b, c = (int(x) for x in match.groups())
         if a != current or b != divisor:
@@ -63,26 +64,24 @@ def check_chain(problem: Problem, text: str) -> tuple[str, int | None]:
     return (RIGHT_SIGNED if final.group(1).startswith("+") else RIGHT), None
 
 
-def final_number_right(problem: Problem, text: str) -> bool:
-    """The last integer of the text is the remainder: right "in any format", as the warm-up counts it."""
-    numbers = re.findall(r"-?\d+", text)
-    return bool(numbers) and int(numbers[-1]) == int(problem.answer)
+# Chains by the subtractions they need: (label, most subtractions), shortest first.
+STEP_BUCKETS = (("1-3", 3), ("4-10", 10), ("11-30", None))
 
 
 def steps_bucket(problem: Problem) -> str:
     steps = problem.metadata["steps"]
-    return "1-3" if steps <= 3 else "4-10" if steps <= 10 else "11-30"
+    return next(label for label, most in STEP_BUCKETS if most is None or steps <= most)
 
 
 def report(name: str, problems: list[Problem], texts: list[str], task) -> str:
     verdicts = [check_chain(p, t) for p, t in zip(problems, texts, strict=True)]
     counts = Counter(v for v, _ in verdicts)
     graded = sum(task.grade(p, t) == "correct" for p, t in zip(problems, texts, strict=True))
-    any_format = sum(final_number_right(p, t) for p, t in zip(problems, texts, strict=True))
+    any_format = sum(right_in_any_format(p, t) for p, t in zip(problems, texts, strict=True))
     first_bad = Counter(line for _, line in verdicts if line is not None)
-    by_steps: dict[str, list[int]] = {}
+    by_steps = {label: [0, 0] for label, _ in STEP_BUCKETS}
     for p, (verdict, _) in zip(problems, verdicts, strict=True):
-        tally = by_steps.setdefault(steps_bucket(p), [0, 0])
+        tally = by_steps[steps_bucket(p)]
         tally[0] += verdict in (RIGHT, RIGHT_SIGNED)
         tally[1] += 1
     n = len(problems)
@@ -92,9 +91,7 @@ def report(name: str, problems: list[Problem], texts: list[str], task) -> str:
     out.append(f"  first bad line is line 1 or 2 in {early} of {sum(first_bad.values())} broken chains")
     out.append(
         "  whole chain right, by subtractions needed: "
-        + ", ".join(
-            f"{b}: {r}/{t}" for b, (r, t) in sorted(by_steps.items(), key=lambda kv: int(kv[0].split("-")[0]))
-        )
+        + ", ".join(f"{label}: {right}/{total}" for label, (right, total) in by_steps.items() if total)
     )
     return "\n".join(out)
 

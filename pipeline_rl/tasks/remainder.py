@@ -83,7 +83,7 @@ class RemainderTask:
         )
 
     def _problem(self, index: int, expr: str, value: int, split: Split) -> Problem:
-        number, divisor = _operands(expr)
+        number, divisor = operands(expr)
         return Problem(
             prompt_index=index,
             messages=[{"role": "user", "content": REMAINDER_PROMPT.format(number=number, divisor=divisor)}],
@@ -99,7 +99,7 @@ class RemainderTask:
     def solution_text(self, problem: Problem) -> str:
         """The worked answer (supervised warm-up): every subtraction, then `answer: N`."""
         return "\n".join(
-            [*subtraction_lines(*_operands(problem.metadata["expr"])), f"answer: {problem.answer}"]
+            [*subtraction_lines(*operands(problem.metadata["expr"])), f"answer: {problem.answer}"]
         )
 
     def grade(self, problem: Problem, completion_text: str) -> Grade:
@@ -109,6 +109,7 @@ class RemainderTask:
         return "correct" if value == int(problem.answer) else "wrong"
 
 
-def _operands(expr: str) -> tuple[int, int]:
+def operands(expr: str) -> tuple[int, int]:
+    """(number, divisor) of a problem's `expr`, e.g. '23 mod 7' -> (23, 7)."""
     number, divisor = expr.split(" mod ")
     return int(number), int(divisor)
