@@ -216,3 +216,15 @@ def leave_weight_group(client: ShimClient, deadline: float, poll_s: float = 0.5)
             if e.error != "update_in_progress" or time.monotonic() > deadline:
                 raise
         time.sleep(poll_s)
+
+
+def served_version(urls: list[str], timeout_s: float = 10.0) -> int:
+    """The newest weight version any of these servers serves (each one's /debug/state)."""
+    versions = []
+    for url in urls:
+        client = ShimClient(url, timeout_s=timeout_s)
+        try:
+            versions.append(client.debug_state().weight_version)
+        finally:
+            client.close()
+    return max(versions)

@@ -3,7 +3,8 @@
 A gloo broadcast from the trainer (rank 0) to N servers on other hosts makes the trainer's link carry
 several copies of every bucket: gloo's broadcast is a binomial tree whose root sends the whole buffer
 to ceil(log2(N + 1)) peers at once, and a peer forwards only after its whole buffer arrived. Over equal
-links that measured 2x the one-host time for 2 hosts and 4x for 4 (docs/benchmarks.md, section 6).
+links a push to 2 hosts takes about twice the one-host time and to 4 about four times
+(docs/benchmarks.md#multihost).
 Here the ranks form a chain instead, source first:
 
     order[0] -> order[1] -> order[2] -> ... -> order[-1]

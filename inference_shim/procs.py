@@ -95,7 +95,7 @@ def own_core(index: int) -> dict[str, str]:
     """Environment that binds server `index`'s vLLM-CPU worker to a core of its own (round robin).
 
     vLLM's automatic binding puts every server's worker on the same core, where one starves the other
-    (finding F4 in docs/benchmarks.md).
+    (docs/decisions.md, "Each server on its own core").
     """
     cores = sorted(os.sched_getaffinity(0))
     return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)])}

@@ -2,9 +2,11 @@
 
     pipeline-rl serve --backend vllm --model DIR --host 127.0.0.1 --port 8000 [--token T]
 
-Routes: generation (/v1/chat/completions, /v1/completions, /v1/models — API key when configured),
-weight transfer (/init_process_group, /request_weight_update, /destroy_process_group — Bearer token when
-configured), and curl-friendly introspection (/health, /capabilities, /debug/state, /metrics).
+Routes (one module each under inference_shim/routes/): generation (/v1/chat/completions, /v1/completions,
+/v1/models — API key when configured), weight transfer (/init_process_group, /request_weight_update,
+/destroy_process_group — Bearer token when configured), and curl-friendly introspection (/health,
+/capabilities, /debug/state, /metrics). This module assembles them with what they share: the error
+handlers, the middleware, and the lifespan that starts the engine and stops the server if it dies.
 Every request error is a 4xx `{"error", "detail"}`; limits and overload answers: inference_shim/limits.py.
 """
 
@@ -12,40 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import logging
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference_shim.backends.base import Backend
-from inference_shim.backends.common import ContractError, SamplingRequest
-from inference_shim.limits import AdmissionGate, GuardMiddleware, Limits, check_generation
+from inference_shim.backends.common import ContractError
+from inference_shim.limits import AdmissionGate, GuardMiddleware, Limits
 from inference_shim.metrics import RouteMetricsMiddleware, ShimMetrics
-from inference_shim.openai_format import (
-    SSE_DONE,
-    chat_chunk,
-    chat_response,
-    chat_role_chunk,
-    completion_chunk,
-    completion_response,
-    new_id,
-    sse_error,
-    usage_chunk,
-)
-from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
 from inference_shim.procs import reserve_port
-from inference_shim.protocol import ErrorResponse, InitProcessGroupRequest, WeightUpdateRequest
-from inference_shim.tool_calls import ChoiceTools, output_constraint
+from inference_shim.protocol import ErrorResponse
+from inference_shim.routes.generation import generation_router
+from inference_shim.routes.introspection import introspection_router
+from inference_shim.routes.weights import weights_router
 
 log = logging.getLogger("inference_shim")
 
@@ -101,6 +91,8 @@ def create_app(
     limits: Limits | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
+    """The app over one backend: the routers of inference_shim/routes/, the contract's error bodies for
+    every failure, the API-key/limits guard and metrics middleware, and the engine's lifespan."""
     limits = limits or Limits()
     # Tokenization and chat templates run here, off the event loop, so one huge prompt cannot stall
     # /health, streams or a weight update. One thread: a Hugging Face fast tokenizer is not safe to
@@ -136,15 +128,6 @@ def create_app(
     app.add_middleware(RouteMetricsMiddleware, metrics=metrics)
     backend.token = token  # signs/verifies the weight plane's store values (protocol.sign_value)
 
-    def require_token(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
-            raise ContractError(
-                401, "unauthorized", "send 'Authorization: Bearer <token>' (the server's --token)"
-            )
-
     @app.exception_handler(ContractError)
     async def _contract_error(_: Request, e: ContractError) -> JSONResponse:
         return _error(e.status, e.error, e.detail)
@@ -170,237 +153,10 @@ def create_app(
         )
         return _error(422, "invalid_request", detail)
 
-    # ------------------------------------------------------------------ introspection
-    @app.get("/health")
-    async def health():
-        h = backend.health_now()
-        return JSONResponse(status_code=200 if h.status == "ok" else 503, content=h.model_dump())
-
-    @app.get("/capabilities")
-    async def capabilities():
-        return backend.capabilities().model_dump()
-
-    @app.get("/debug/state")
-    async def debug_state(request: Request):
-        state = backend.debug_state()
-        try:
-            require_token(request)
-        except ContractError:
-            # Introspection stays open, but where the trainer's store listens is for the token holder:
-            # whoever reaches the store can tamper with its keys (unsigned rendezvous, forged values).
-            if state.group is not None:
-                state.group = state.group.redacted()
-        return state.model_dump()
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(content=metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models():
-        name = backend.capabilities().model
-        return {
-            "object": "list",
-            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pipeline-rl"}],
-        }
-
-    # ------------------------------------------------------------------ weight transfer (control)
-    @app.post("/init_process_group", dependencies=[Depends(require_token)])
-    async def init_process_group(req: InitProcessGroupRequest):
-        return (await backend.init_process_group(req)).model_dump()
-
-    @app.post("/request_weight_update", dependencies=[Depends(require_token)])
-    async def request_weight_update(req: WeightUpdateRequest):
-        return (await backend.request_weight_update(req)).model_dump()
-
-    @app.post("/destroy_process_group", dependencies=[Depends(require_token)])
-    async def destroy_process_group():
-        await backend.destroy_process_group()
-        return {"status": "destroyed"}
-
-    # ------------------------------------------------------------------ generation
-    def sampling(
-        req: ChatCompletionRequest | CompletionRequest, top_logprobs: int, max_tokens: int | None
-    ) -> SamplingRequest:
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return SamplingRequest(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            n=req.n,
-            seed=req.seed,
-            stop=stop,
-            top_logprobs=top_logprobs,
-            ignore_eos=req.ignore_eos,
-        )
-
-    def model_name() -> str:
-        return backend.capabilities().model
-
-    def admit(req: ChatCompletionRequest | CompletionRequest) -> None:
-        """Refuse, before any tokenization: a request beyond the limits (400) or a server that must not
-        generate now (503, e.g. weights_incomplete)."""
-        check_generation(req, limits)
-        backend.check_can_generate()
-
-    async def off_loop(fn, *args) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        admit(req)
-        messages = _template_messages(req)
-        tool_specs = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt_ids = await off_loop(_render_chat, backend, messages, req.add_generation_prompt, tool_specs)
-        params = sampling(req, req.top_logprobs or 0, req.max_completion_tokens or req.max_tokens)
-        params.constraint = output_constraint(req)
-        if params.constraint is not None and not backend.structured_output:
-            raise ContractError(
-                400,
-                "structured_output_unsupported",
-                f"the {backend.name} backend cannot constrain output (response_format, tool_choice "
-                "'required' or named); docs/contract.md lists the features per backend",
-            )
-        # One reader per choice (a streaming tool parser keeps state); a backend that parses no tool calls
-        # refuses tool_choice auto here, before any generation.
-        readers = [
-            ChoiceTools(req, backend.tool_parser(tool_specs) if req.tool_mode == "auto" else None)
-            for _ in range(req.n)
-        ]
-        want_logprobs = req.logprobs
-        token_text = backend.token_text
-        if not req.stream:
-            async for choices in backend.generate(prompt_ids, params, stream=False):
-                backend.check_can_generate()  # an update failed mid-apply meanwhile: 503, not its tokens
-                return _json(
-                    chat_response(
-                        model_name(), prompt_ids, choices, want_logprobs, token_text, readers.__getitem__
-                    )
-                )
-        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True))
-        first = await _first_or_error(generator)  # errors before streaming starts become proper 4xx
-
-        async def events():
-            rid, created, name = new_id("chatcmpl"), int(time.time()), model_name()
-            for index in range(req.n):
-                yield chat_role_chunk(rid, name, created, index, prompt_ids)
-            generated = 0
-            try:
-                batch = first
-                while batch is not None:
-                    for delta in batch:
-                        generated += len(delta.token_ids)
-                        yield chat_chunk(
-                            rid, name, created, delta, want_logprobs, token_text, readers[delta.index]
-                        )
-                    batch = await anext(generator, None)
-                if wants_usage(req):
-                    yield usage_chunk(True, rid, name, created, len(prompt_ids), generated)
-            except Exception as e:  # the status line is already sent: report in-band
-                log.exception("stream failed")
-                yield sse_error(e)
-            yield SSE_DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        admit(req)
-        if isinstance(req.prompt, str):
-            prompt_ids = await off_loop(backend.text_prompt_ids, req.prompt)
-        else:
-            prompt_ids = list(req.prompt)
-            backend.check_token_ids(prompt_ids)
-        if not prompt_ids:
-            raise ContractError(400, "empty_prompt", "the prompt has no tokens")
-        params = sampling(req, req.logprobs or 0, req.max_tokens or 16)
-        if not req.stream:
-            async for choices in backend.generate(prompt_ids, params, stream=False):
-                backend.check_can_generate()
-                return _json(
-                    completion_response(model_name(), prompt_ids, choices, req.logprobs, backend.token_text)
-                )
-        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True))
-        first = await _first_or_error(generator)
-
-        async def events():
-            rid, created, name = new_id("cmpl"), int(time.time()), model_name()
-            generated = 0
-            try:
-                batch = first
-                while batch is not None:
-                    for delta in batch:
-                        generated += len(delta.token_ids)
-                        yield completion_chunk(rid, name, created, delta)
-                    batch = await anext(generator, None)
-                if wants_usage(req):
-                    yield usage_chunk(False, rid, name, created, len(prompt_ids), generated)
-            except Exception as e:
-                log.exception("stream failed")
-                yield sse_error(e)
-            yield SSE_DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
+    app.include_router(introspection_router(backend, metrics, token))
+    app.include_router(generation_router(backend, limits, tokenize_pool))
+    app.include_router(weights_router(backend, token))
     return app
-
-
-def _json(response: BaseModel) -> Response:
-    # Serialized by pydantic directly: FastAPI's generic encoder is slower and refuses a -inf logprob.
-    return Response(content=response.model_dump_json(), media_type="application/json")
-
-
-def wants_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
-    """A stream ends with a usage chunk (no choices) when the client asked for one, as OpenAI's does."""
-    return req.stream_options is not None and req.stream_options.include_usage
-
-
-def _template_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The messages as the chat template gets them; a content part we cannot serve is a 400 that names
-    its type (this server renders text only)."""
-    for i, message in enumerate(req.messages):
-        part = message.unsupported_part()
-        if part is not None:
-            raise ContractError(
-                400,
-                "unsupported_content",
-                f"messages[{i}] has a content part of type {part!r}; this server accepts text parts only",
-            )
-    return [m.template_dict() for m in req.messages]
-
-
-def _render_chat(
-    backend: Backend, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None
-) -> list[int]:
-    """The chat prompt's token ids; a template that refuses these messages is the client's 400."""
-    import jinja2
-
-    try:
-        return backend.chat_prompt_ids(messages, add_generation_prompt, tools)
-    except ContractError:
-        raise
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
-        # e.g. a role or an order of roles the model's chat template rejects (raise_exception in it)
-        raise ContractError(400, "invalid_messages", f"the model's chat template refused them: {e}") from e
-
-
-async def _guarded(backend: Backend, generator):
-    """A stream's batches, each checked first: once an update failed mid-apply (weights_incomplete), not
-    one more token goes out; the stream ends with the in-band error instead. Every backend, one place."""
-    try:
-        async for batch in generator:
-            backend.check_can_generate()
-            yield batch
-    finally:
-        await generator.aclose()  # the engine's request ends now, not when the garbage collector runs
-
-
-async def _first_or_error(generator):
-    try:
-        return await anext(generator)
-    except StopAsyncIteration:
-        return None
 
 
 def make_backend(cfg: ServeConfig, engine_options: dict, metrics: ShimMetrics) -> Backend:

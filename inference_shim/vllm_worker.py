@@ -66,7 +66,7 @@ class WeightReceiverExtension:
     _pr_prepare_updates: bool = True  # build updates beside the live model (vllm_shadow.py) where it can
 
     def pr_cap_idle_sleep(self) -> None:
-        """Called once at start-up: a lost engine-to-worker wake-up costs ms, not 5 s (F15)."""
+        """Called once at start-up: a lost engine-to-worker wake-up costs ms, not 5 s (docs/engines.md, "Idle polling")."""
         _patch_rpc_reader()
 
     def pr_init_group(
@@ -335,7 +335,7 @@ def _patch_rpc_reader(clamp_spin: bool = False) -> None:
     The sleep. Past its spin the reader sleeps on a ZMQ notification from the engine core and re-checks
     the queue only every 5 s (SHM_READER_RECHECK_INTERVAL_MS: vLLM's own bound on a lost notification).
     Notifications do get lost under load (which ZMQ path drops them was not pinned down): 32 streams
-    stalled for 5.0 s up to every 20 s (docs/benchmarks.md F15). Sleeping at most IDLE_POLL_MS costs an
+    stalled for 5.0 s at a time (docs/engines.md, "Idle polling"). Sleeping at most IDLE_POLL_MS costs an
     idle worker ~100 cheap wake-ups a second.
 
     The spin. vLLM's reader spins (sched_yield) for 1 s after every call (busy_loop_s=1). An update
@@ -343,7 +343,7 @@ def _patch_rpc_reader(clamp_spin: bool = False) -> None:
     transfer on the core the gloo receive thread needs (profiled: 53% of the main thread's samples in
     sched_yield; capping it halved the broadcast time). While the engine decodes, calls come every few
     ms, so a 10 ms window keeps decoding on the fast path; the reader sleeps after more steps, which is
-    what made F15's lost notifications frequent.
+    what makes lost notifications frequent.
 
     A vLLM internal: checked against vllm 0.32 (pinned in scripts/setup.sh), skipped if it moved.
     """

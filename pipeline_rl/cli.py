@@ -5,7 +5,6 @@
     pipeline-rl tiny-model --out DIR --grow-from DIR2 --factor 5   DIR2 5x wider, same function
     pipeline-rl launch [key=value ...]                       a whole run (see README)
     pipeline-rl demo                                         the CPU demo
-    pipeline-rl bench NAME                                   benchmarks (pipeline_rl/bench/)
     pipeline-rl fleet list|add|remove [URL] --run-dir RUN    servers of a running job
     pipeline-rl actor|preprocess|train --config RUN/config.json ...   one process (launcher uses these)
     pipeline-rl --help
@@ -19,9 +18,9 @@ import argparse
 import sys
 
 # The server's command line lives in inference_shim/cli.py; `serve` is it, flag for flag. Its engine
-# environment defaults apply to every process kind here too (bench/servers.py imports them from here).
+# environment defaults apply to every process kind here too.
 from inference_shim import cli as server_cli
-from inference_shim.cli import ENGINE_ENV_DEFAULTS, apply_engine_env  # noqa: F401
+from inference_shim.cli import apply_engine_env
 
 
 def _set_title(name: str) -> None:
@@ -66,7 +65,7 @@ def _add_tiny_model(sub) -> None:
 
 
 def _run_tiny_model(args: argparse.Namespace) -> None:
-    from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model, grow_model
+    from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model, grow_model
 
     if args.grow_from:
         out = grow_model(args.grow_from, args.out, args.factor, noise=args.noise, seed=args.seed)
@@ -94,17 +93,13 @@ PASSTHROUGH = {
     ),
     "demo": (
         "build + warm up the tiny model, then launch pipelined RL on arith",
-        "pipeline_rl.launch.demo:main",
+        "pipeline_rl.demo.main:main",
     ),
     "actor": ("one actor process (started by the launcher)", "pipeline_rl.actor.main:main"),
-    "preprocess": ("one preprocessor process (started by the launcher)", "pipeline_rl.preprocess:main"),
+    "preprocess": ("one preprocessor process (started by the launcher)", "pipeline_rl.preprocess.main:main"),
     "train": (
         "one trainer rank (run under accelerate launch by the launcher)",
         "pipeline_rl.trainer.main:main",
-    ),
-    "bench": (
-        "benchmarks: weight-sync, inflight, pipeline-vs-sync, streams, shim",
-        "pipeline_rl.bench.run:main",
     ),
     "fleet": (
         "list, add or remove the servers of a running job",

@@ -1,6 +1,6 @@
 """The typed run configuration: one RunConfig, validated once at startup, passed to every process.
 
-The launcher composes conf/*.yaml with command-line overrides (pipeline_rl/launch/compose.py), validates the result
+The launcher composes pipeline_rl/conf/*.yaml with command-line overrides (pipeline_rl/launch/compose.py), validates the result
 into RunConfig, fills in what only it knows (server URLs, run directory), and writes it to
 <run_dir>/config.json. Every child process reads that file with `load_run_config` and never sees a raw
 dict. Sections owned by other modules (streams, task, reward, algo, preprocess) are imported here.
@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline_rl.algo_config import AlgoConfig
-from pipeline_rl.preprocess_ops import PreprocessConfig
+from pipeline_rl.preprocess.ops import PreprocessConfig
 from pipeline_rl.streams import StreamsConfig
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.tasks import RewardConfig, TaskConfig
@@ -46,7 +46,7 @@ class InferenceConfig(_Section):
     kv_after_update: Literal["recompute", "keep"] | None = Field(
         None,
         description="KV of in-flight requests after an update: keep (PipelineRL's) or recompute with the new "
-        "weights. Unset: keep when mode=pipeline (docs/benchmarks.md F18), recompute when mode=sync, where no "
+        "weights. Unset: keep when mode=pipeline (docs/decisions.md, 'KV after an update'), recompute when mode=sync, where no "
         "request is in flight at an update.",
     )
     startup_timeout_s: float = Field(300.0, gt=0, description="Deadline for a server to become healthy.")

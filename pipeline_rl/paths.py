@@ -1,10 +1,11 @@
-"""Where the repository's data lives: the one home of the paths every module needs.
+"""Where the package's data lives: the one home of the paths every module needs.
 
-`conf/` (YAML configs, accelerate and DeepSpeed files) sits at the repository root, beside the packages;
-pipeline-rl runs from a checkout (`make setup` installs it editable), so these resolve from this file.
+`pipeline_rl/conf/` (YAML config groups, recipes, accelerate and DeepSpeed files) ships inside the package as
+package data, so an installed wheel finds it as a checkout does. accelerate and DeepSpeed read these
+files by path, hence a real directory (wheels are installed unpacked, never run from a zip).
 """
 
+from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
+CONF_DIR = Path(str(files("pipeline_rl") / "conf"))

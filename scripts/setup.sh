@@ -64,7 +64,7 @@ fi
 if have_gpu; then
   # inference=sglang (optional). SGLang pins its own torch and transformers (0.5.23: torch==2.14.1),
   # which would replace the torch vLLM runs on, so it gets a venv of its own inside .venv; the shim
-  # starts SGLang with that interpreter (docs/sglang.md).
+  # starts SGLang with that interpreter (docs/engines.md).
   [ -x "$VENV/sglang/bin/python" ] || python3 -m venv "$VENV/sglang"
   "$VENV/sglang/bin/python" -m pip install --quiet --disable-pip-version-check "sglang==0.5.23" \
     || echo "setup: optional SGLang install failed; inference=sglang unavailable" >&2

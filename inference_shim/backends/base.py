@@ -1,7 +1,14 @@
 """The interface every engine backend implements, and the weight-update lifecycle all of them share.
 
 The FastAPI app (inference_shim/server.py) only talks to a Backend; one file per engine implements it
-(vllm_backend.py, sglang_backend.py, capture_backend.py). Everything here is engine-free.
+(vllm_backend.py, torch_backend.py, sglang_backend.py, capture_backend.py). Everything here is
+engine-free.
+
+/capabilities and /health are built here, once (capabilities(), health()), from what a backend declares
+instead of each building the models: class attributes fixed by the engine (name, transports,
+pause_modes, per_token_versions, staged_receive, fanouts, structured_output, tool_call_parser), what its
+options or start() find out (engine_version, model_name, workers, max_model_len, the tensor table's
+dtypes [_dtypes]), and two hooks: [_starting] and [_unhealthy_detail].
 
 State every backend keeps (set once, in Backend.__init__):
   version          the weight version served; advanced only by an applied update
@@ -54,6 +61,7 @@ from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingR
 from inference_shim.backends.join import JoinPhase, join_failure_detail, join_phase, short, store_timeout
 from inference_shim.faults import fault_point
 from inference_shim.protocol import (
+    CONTRACT_VERSION,
     Bucket,
     Capabilities,
     DebugState,
@@ -80,10 +88,25 @@ log = logging.getLogger("inference_shim")
 
 
 class Backend(abc.ABC):
-    """One engine behind the contract. Owns the shared state and the update lifecycle (module docstring);
-    subclasses implement start/stop, health, capabilities, generate and the engine hooks."""
+    """One engine behind the contract. Owns the shared state, /health, /capabilities and the update
+    lifecycle (module docstring); subclasses declare what they offer and implement start/stop, generate
+    and the engine hooks."""
 
+    # ------------------------------------------------------------------ what a backend declares
+    # What /capabilities reports of the engine (docs/contract.md); fixed per backend, so class attributes
+    # that each backend sets (those without a default here must be set).
     name: str
+    transports: tuple[str, ...]  # weight-group wires its workers can receive on
+    pause_modes: tuple[str, ...]  # how in-flight requests fare while an update is applied
+    per_token_versions: bool  # every token is labelled with the version whose weights computed it
+    staged_receive: bool  # receives while generating and pauses only to apply
+    fanouts: tuple[str, ...] = ("broadcast",)  # bucket fan-outs its workers can take part in
+    # Whether generate() honours SamplingRequest.constraint (JSON schema / JSON object output).
+    structured_output = False
+    # Format of tool calls read from free text (tool_choice auto); None: tool_choice auto is refused.
+    tool_call_parser: str | None = None
+    # The served model's name (/v1/models, /capabilities): a property of each backend, from its options.
+    model_name: str
 
     def __init__(self, metrics: ShimMetrics) -> None:
         self.metrics = metrics
@@ -110,7 +133,10 @@ class Backend(abc.ABC):
         self.updates_failed = 0
         self.reprefilled_tokens = 0
         self.in_flight = 0
-        self._engine_version = "unknown"
+        # Known once the engine runs (start() sets what it finds): the rest of /capabilities.
+        self.engine_version = "unknown"
+        self.workers = 1  # weight-group ranks this server's engine takes
+        self.max_model_len = 0
         self._update_lock = asyncio.Lock()
         self._update_task: asyncio.Task | None = None
 
@@ -121,16 +147,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def _stop_engine(self) -> None: ...
 
-    @abc.abstractmethod
-    def health(self) -> HealthResponse: ...
-
     def engine_failure(self) -> str | None:
         """Why the engine can never generate again (it died), or None. The server exits non-zero when
         this is set, so a supervisor restarts it rather than leaving a live process that answers 503."""
         return None
-
-    @abc.abstractmethod
-    def capabilities(self) -> Capabilities: ...
 
     @abc.abstractmethod
     def generate(
@@ -420,6 +440,49 @@ class Backend(abc.ABC):
                 "this server has not received the trainer's weights yet (--await-weights): try another server",
             )
 
+    # ------------------------------------------------------------------ /health and /capabilities
+    def _starting(self) -> bool:
+        """Whether the engine is still starting (/health: 503 starting). Default: never (nothing to start)."""
+        return False
+
+    def _unhealthy_detail(self) -> str | None:
+        """Why this server cannot serve now (/health: 503 unhealthy with this detail), or None; asked only
+        once started. Default: a failed update's `unhealthy`. An engine that can die adds its own reason,
+        in the order it reports them."""
+        return self.unhealthy
+
+    def _dtypes(self) -> list[str]:
+        """The dtypes a pushed tensor may have (/capabilities): those of the tensor table."""
+        return sorted({dtype for dtype, _ in self.table.values()})
+
+    def health(self) -> HealthResponse:
+        """The engine's own health (health_now adds --await-weights on top)."""
+        if self._starting():
+            return HealthResponse(status="starting", weight_version=self.version)
+        detail = self._unhealthy_detail()
+        if detail:
+            return HealthResponse(status="unhealthy", weight_version=self.version, detail=detail)
+        return HealthResponse(status="ok", weight_version=self.version)
+
+    def capabilities(self) -> Capabilities:
+        """GET /capabilities: what this backend declares (class attributes) and what start() found."""
+        return Capabilities(
+            contract_version=CONTRACT_VERSION,
+            backend=self.name,
+            engine_version=self.engine_version,
+            model=self.model_name,
+            workers=self.workers,
+            transports=list(self.transports),
+            pause_modes=list(self.pause_modes),
+            dtypes=self._dtypes(),
+            per_token_versions=self.per_token_versions,
+            staged_receive=self.staged_receive,
+            fanouts=list(self.fanouts),
+            max_model_len=self.max_model_len,
+            tool_call_parser=self.tool_call_parser,
+            structured_output=self.structured_output,
+        )
+
     def health_now(self) -> HealthResponse:
         """GET /health: the engine's own health, and 503 awaiting_weights before the first update."""
         health = self.health()
@@ -472,10 +535,7 @@ class Backend(abc.ABC):
             )
         )
 
-    # ------------------------------------------------------------------ tools, structured output
-    # Whether generate() honours SamplingRequest.constraint (JSON schema / JSON object output).
-    structured_output = False
-
+    # ------------------------------------------------------------------ tools
     def tool_parser(self, tools: list[dict]) -> ToolCallParser:
         """A parser of tool calls in this model's format, for one choice (auto tool choice)."""
         raise ContractError(

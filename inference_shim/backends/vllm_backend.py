@@ -43,10 +43,7 @@ from inference_shim.backends.vllm_tools import VllmToolParser, structured_output
 from inference_shim.metrics import ShimMetrics
 from inference_shim.openai_protocol import VersionSpan
 from inference_shim.protocol import (
-    CONTRACT_VERSION,
-    Capabilities,
     GroupState,
-    HealthResponse,
     InitProcessGroupRequest,
     UpdateResult,
     WeightUpdateRequest,
@@ -119,7 +116,15 @@ def _whole_prefills_on_cpu(max_model_len: int, workers: int) -> dict:
 
 
 class VllmBackend(Backend):
+    # What /capabilities reports (base.Backend.capabilities builds it): the workers receive on gloo or
+    # NCCL and stage while decoding; vLLM labels every engine step's output with its weight version.
     name = "vllm"
+    transports = ("gloo", "nccl")
+    pause_modes = ("keep",)
+    per_token_versions = True
+    staged_receive = True
+    fanouts = ("broadcast", "chain")
+    structured_output = True
 
     def __init__(self, options: VllmOptions, metrics: ShimMetrics) -> None:
         super().__init__(metrics)
@@ -127,6 +132,7 @@ class VllmBackend(Backend):
         self.engine = None
         self.workers = options.tensor_parallel_size
         self.max_model_len = options.max_model_len or 0  # resolved from the model in start()
+        self.tool_call_parser = options.tool_call_parser
         self._request_ids: set[str] = set()  # in flight: what _abort_in_flight ends
         # request id -> tokens whose KV it holds (prompt per sequence + generated): what a cache reset
         # after an update makes the engine compute again (reprefilled_tokens).
@@ -147,7 +153,7 @@ class VllmBackend(Backend):
         from inference_shim.checkpoint_table import checkpoint_tensor_table
 
         o = self.options
-        self._engine_version = vllm.__version__
+        self.engine_version = vllm.__version__
         # Checked before the engine spawns anything: vLLM's own refusal comes late, deep in a traceback.
         self.max_model_len = resolve_max_model_len(o.model, o.max_model_len)
         args = AsyncEngineArgs(
@@ -166,7 +172,9 @@ class VllmBackend(Backend):
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         self.engine = AsyncLLM.from_engine_args(args)
         await self.engine.update_weight_version("0")
-        await self._rpc("pr_cap_idle_sleep", 60.0)  # F15: a lost wake-up must not stall decoding 5 s
+        await self._rpc(
+            "pr_cap_idle_sleep", 60.0
+        )  # a lost wake-up must not stall decoding 5 s (Idle polling)
         self.applies_between_steps = await self._engine_core_swaps()
         self.tokenizer = AutoTokenizer.from_pretrained(o.model)
         engine_dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
@@ -194,36 +202,13 @@ class VllmBackend(Backend):
             return "the vLLM engine died (EngineDeadError; its traceback is above in this log)"
         return None
 
-    def health(self) -> HealthResponse:
-        if self.engine is None:
-            return HealthResponse(status="starting", weight_version=self.version)
-        if self.unhealthy or self.engine.errored:
-            return HealthResponse(
-                status="unhealthy", weight_version=self.version, detail=self.unhealthy or "engine died"
-            )
-        return HealthResponse(status="ok", weight_version=self.version)
+    def _starting(self) -> bool:
+        return self.engine is None
 
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            contract_version=CONTRACT_VERSION,
-            backend=self.name,
-            engine_version=self._engine_version,
-            model=self.model_name,
-            workers=self.workers,
-            transports=["gloo", "nccl"],
-            pause_modes=["keep"],
-            dtypes=sorted({dtype for dtype, _ in self.table.values()}),
-            per_token_versions=True,
-            staged_receive=True,
-            fanouts=["broadcast", "chain"],
-            max_model_len=self.max_model_len,
-            tool_call_parser=self.options.tool_call_parser,
-            structured_output=True,
-        )
+    def _unhealthy_detail(self) -> str | None:
+        return self.unhealthy or ("engine died" if self.engine.errored else None)
 
-    # ------------------------------------------------------------------ tools, structured output
-    structured_output = True
-
+    # ------------------------------------------------------------------ tools
     def tool_parser(self, tools: list[dict]) -> ToolCallParser:
         if self._tool_parser_cls is None:
             return super().tool_parser(tools)

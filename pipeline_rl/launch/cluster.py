@@ -1,10 +1,10 @@
 """One job over several hosts: the cluster file, and each node's share of the run.
 
-    pipeline-rl launch --cluster conf/cluster/example.yaml --node node1 [key=value ...]   # on every host
-    pipeline-rl launch --cluster conf/cluster/example.yaml --dry-run                       # whole plan, anywhere
+    pipeline-rl launch --cluster pipeline_rl/conf/cluster/example.yaml --node node1 [key=value ...]   # on every host
+    pipeline-rl launch --cluster pipeline_rl/conf/cluster/example.yaml --dry-run                       # whole plan, anywhere
 
 The cluster file (YAML, `ClusterSpec` below) names the hosts and what runs on each. Every node composes
-the SAME RunConfig from it (conf/base.yaml + the file's `overrides` + the command line's, which must be
+the SAME RunConfig from it (pipeline_rl/conf/base.yaml + the file's `overrides` + the command line's, which must be
 the same on every node) and starts only its own share. How the processes find each other:
   * Redis binds its host's address at `redis_port`; URL redis://:<password>@<address>:<port>/0;
   * server i binds its host's address at its port, in file order: inference.urls[i];
@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError, compose
-from pipeline_rl.launch.plan import NodeShare, Rendezvous
+from pipeline_rl.launch.plan import NodeShare
+from pipeline_rl.launch.trainer_cmd import Rendezvous
 
 TOKEN_ENV = "PIPELINE_RL_TOKEN"
 REDIS_PASSWORD_ENV = "PIPELINE_RL_REDIS_PASSWORD"

@@ -1,9 +1,9 @@
-"""Composes conf/*.yaml with Hydra-style overrides into a validated RunConfig (in well under a second).
+"""Composes pipeline_rl/conf/*.yaml with Hydra-style overrides into a validated RunConfig (in well under a second).
 
     cfg = compose(["inference=vllm", "trainer.learning_rate=3e-4", "actor.num_actors=2"])
 
-Rules: conf/base.yaml holds the defaults and a `defaults:` map of groups; `group=name` picks
-conf/<group>/<name>.yaml; groups are merged into the base in the order of that map; then every
+Rules: pipeline_rl/conf/base.yaml holds the defaults and a `defaults:` map of groups; `group=name` picks
+pipeline_rl/conf/<group>/<name>.yaml; groups are merged into the base in the order of that map; then every
 `dotted.key=value` override is applied (value parsed as YAML: numbers, booleans, lists, null; a field
 that takes strings only gets the text as typed, so `trainer.mixed_precision=no` is "no", not False). The
 result is validated once into RunConfig; every error names the key, the allowed values and the fix.
@@ -97,7 +97,7 @@ def _set_dotted(data: dict, key: str, raw: str) -> None:
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse the value of '{key}': {e}") from None
     if value is not None and not isinstance(value, str) and _takes_only_strings(RunConfig, parts):
-        # YAML reads no/yes/on/off as booleans, 2024 or 1.5 as numbers, 2024-01-01 as a date: a string
+        # YAML reads no/yes/on/off as booleans, 2024 or 1.5 as numbers, an ISO date as a date: a string
         # field gets what was typed (trainer.mixed_precision=no, a model_path named 2024).
         value = raw
     node = data

@@ -1,13 +1,13 @@
 """`pipeline-rl launch [key=value ...] [--dry-run] [--roles ...] [--cluster FILE --node NAME]`: one
 command runs a whole RL job, on one host or on each host of several.
 
-    pipeline-rl launch                                   # conf/base.yaml defaults (CPU, tiny model)
+    pipeline-rl launch                                   # pipeline_rl/conf/base.yaml defaults (CPU, tiny model)
     pipeline-rl launch trainer.max_steps=50 actor.num_actors=2 inference.num_servers=2
     pipeline-rl launch --dry-run                         # print the plan, start nothing
     pipeline-rl launch --roles servers inference.urls=[] # only some roles (debugging)
     pipeline-rl launch --dry-run platform=gpu placement.num_gpus=4 trainer.num_processes=2 inference.num_servers=2
-    pipeline-rl launch --cluster conf/cluster/example.yaml --node node1   # on each host: its share
-    pipeline-rl launch --cluster conf/cluster/example.yaml --dry-run      # every node's plan, anywhere
+    pipeline-rl launch --cluster pipeline_rl/conf/cluster/example.yaml --node node1   # on each host: its share
+    pipeline-rl launch --cluster pipeline_rl/conf/cluster/example.yaml --dry-run      # every node's plan, anywhere
 
 Order, supervision and shutdown: pipeline_rl/launch/runner.py. Planning (cores, GPUs, argv):
 pipeline_rl/launch/plan.py. Several hosts (the cluster file, secrets from the environment):
@@ -98,7 +98,7 @@ def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pipeline-rl launch", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="key=value or group=name (conf/)")
+    parser.add_argument("overrides", nargs="*", help="key=value or group=name (pipeline_rl/conf/)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--roles", default=",".join(ROLES), help=f"subset of {','.join(ROLES)}")
     parser.add_argument("--status-port", type=int, default=0, help="port of GET /status (0 = free port)")

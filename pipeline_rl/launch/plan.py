@@ -25,20 +25,11 @@ from inference_shim.procs import free_port, serve_argv
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError
 from pipeline_rl.launch.processes import ProcessSpec
+from pipeline_rl.launch.trainer_cmd import Rendezvous, trainer_command
 from pipeline_rl.streams.config import redact_url
 
 ROLES = ("redis", "servers", "trainer", "preprocessors", "actors")
 PY = sys.executable
-
-
-@dataclass
-class Rendezvous:
-    """accelerate's multi-node arguments for this node's trainer ranks (one machine: the defaults)."""
-
-    num_machines: int = 1
-    machine_rank: int = 0
-    main_ip: str = "127.0.0.1"  # host of machine rank 0; torchrun's store listens there only
-    port: int | None = None  # None: a free port of this machine (one machine only)
 
 
 @dataclass
@@ -195,8 +186,6 @@ def place_gpus(cfg: RunConfig, share: NodeShare, gpus: list[str]) -> dict[str, l
 def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[ProcessSpec]:
     """The processes of this node (`share`, or the roles of a one-host launch), with their argv,
     environment, cores and GPUs; ConfigError if the GPUs do not fit. `run_dir` holds config.json."""
-    from pipeline_rl.trainer.launch_cmd import trainer_command
-
     if not isinstance(share, NodeShare):
         share = local_share(cfg, share)
     config_path = str(run_dir / "config.json")
@@ -221,8 +210,8 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         # The token travels in the environment, not in argv, where any user could read it with ps.
         secret_env = {"PIPELINE_RL_TOKEN": cfg.inference.token or ""}
         # vLLM-CPU binds its worker (the model's compute) to these cores itself; its API and scheduler
-        # processes (about as much CPU as the model's forward at the demo's size, docs/benchmarks.md
-        # section 11) then run on the trainer's core too while it waits (docs/decisions.md, Launcher).
+        # processes (about as much CPU as the model's forward at the demo's size: `python -m benchmarks
+        # engine-profile`) then run on the trainer's core too while it waits (docs/decisions.md, Launcher).
         binds_itself = cfg.inference.backend == "vllm" and not on_gpu and not cfg.placement.pin_whole_server
         specs.append(
             ProcessSpec(

@@ -1,8 +1,8 @@
 """End-of-run summary and plots from <run_dir>/stats.jsonl (written by pipeline_rl/launch/monitor.py).
 
-    pipeline-rl report runs/2026-11-22-120000      # plots, summary and the sample ledger of a run
+    pipeline-rl report runs/20261122-120000        # plots, summary and the sample ledger of a run
 
-Plots (PNG, in the run directory): reward vs wall time, reward vs samples, lag of trained tokens per step, throughput over time. The summary (summary.json) holds the figures the README quotes.
+Plots (PNG, in the run directory): reward vs wall time, reward vs samples, lag of trained tokens per step, throughput over time. The summary (summary.json) holds the run's headline figures.
 """
 
 from __future__ import annotations

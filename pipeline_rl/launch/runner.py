@@ -38,9 +38,9 @@ import httpx
 
 from inference_shim.procs import wait_healthy
 from pipeline_rl.config import RunConfig, public_config, secret_fields
+from pipeline_rl.eval.heldout import RunEvaluations
 from pipeline_rl.fleet import write_fleet
 from pipeline_rl.launch.cluster import REDIS_LINGER_S, wait_other_clients_off
-from pipeline_rl.launch.evaluate import RunEvaluations
 from pipeline_rl.launch.fleet_route import ServersChange
 from pipeline_rl.launch.monitor import record_servers_final
 from pipeline_rl.launch.plan import NodeShare, plan, print_plan
@@ -59,6 +59,7 @@ from pipeline_rl.launch.supervision import (
     describe_exit,
     restart_argv,
 )
+from pipeline_rl.run_dir import has_checkpoint
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
 
@@ -87,8 +88,6 @@ class Launcher:
         self.env: dict[str, str] = {}  # the children's base environment, kept for their restarts
         self.servers_change = ServersChange(self)
         # Resuming from a checkpoint: servers must not serve the start-up weights before the restore push.
-        from pipeline_rl.trainer.checkpoint import has_checkpoint  # torch: only now
-
         self.resuming = cfg.trainer.resume and has_checkpoint(Path(cfg.run_dir))
 
     def _on_signal(self, signum, _frame) -> None:

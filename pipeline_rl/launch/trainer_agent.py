@@ -2,7 +2,7 @@
 
     python -m pipeline_rl.launch.trainer_agent --config_file ... --main_process_ip 127.0.0.1 ... -m pipeline_rl.cli train ...
 
-Takes exactly `accelerate launch`'s arguments (pipeline_rl.trainer.launch_cmd builds them). Why it
+Takes exactly `accelerate launch`'s arguments (pipeline_rl.launch.trainer_cmd builds them). Why it
 exists: accelerate runs torchrun in-process, and torchrun's static rendezvous (the one accelerate uses)
 creates a TCPStore server whose socket torch binds on every interface (`*:main_process_port`), whatever
 `--main_process_ip` says. Anyone who can reach the machine could then read and write the rendezvous

@@ -55,13 +55,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from inference_shim.faults import fault_point
+from pipeline_rl.run_dir import (  # noqa: F401 - has_checkpoint, read_snapshots: the layout's readers
+    SNAPSHOT_INDEX,
+    SNAPSHOTS,
+    checkpoints_root,
+    has_checkpoint,
+    read_snapshots,
+    step_dirs,
+)
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.strategies import Strategy
 
@@ -70,7 +77,6 @@ log = logging.getLogger("pipeline_rl.trainer")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
-_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 class CheckpointError(RuntimeError):
@@ -91,21 +97,11 @@ class TrainerState:
     replica_checksums: list[str | None] = field(default_factory=list)
 
 
-def checkpoints_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
 def checkpoint_due(step: int, seconds_since_last: float, every_steps: int, every_s: float) -> bool:
     """Whether to checkpoint after `step` (pure: the loop passes its clock). 0 turns a cadence off."""
     by_steps = every_steps > 0 and step % every_steps == 0
     by_time = every_s > 0 and seconds_since_last >= every_s
     return by_steps or by_time
-
-
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Every step_<N> directory (not .tmp) as (N, path), newest first; complete or not."""
-    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name))]
-    return sorted(found, reverse=True)
 
 
 def verify(path: Path) -> TrainerState:
@@ -143,18 +139,13 @@ def verify(path: Path) -> TrainerState:
     return state
 
 
-def has_checkpoint(run_dir: str | Path) -> bool:
-    """Whether a published checkpoint directory exists (verified only when loaded: latest_checkpoint)."""
-    return bool(_step_dirs(checkpoints_root(run_dir)))
-
-
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The checkpoint to resume from: the newest that verifies, skipping (and logging) those that do not.
 
     None if there is no step_* directory at all; CheckpointError listing each one tried if none verifies.
     """
     tried: list[str] = []
-    for _, path in _step_dirs(checkpoints_root(run_dir)):
+    for _, path in step_dirs(checkpoints_root(run_dir)):
         try:
             verify(path)
         except CheckpointError as e:
@@ -224,10 +215,6 @@ def copy_tokenizer_files(model_path: str | Path, out: Path) -> None:
             shutil.copy2(src, out / src.name)
 
 
-SNAPSHOTS = "snapshots"
-SNAPSHOT_INDEX = "index.jsonl"
-
-
 def save_snapshot(
     run_dir: str | Path,
     version: int,
@@ -254,14 +241,6 @@ def save_snapshot(
         with (root / SNAPSHOT_INDEX).open("a") as f:
             f.write(json.dumps({"version": version, "time": time.time(), "path": final.name}) + "\n")
     return final
-
-
-def read_snapshots(run_dir: str | Path) -> list[dict]:
-    """The index rows of a run's weight snapshots, oldest first ([] when it saved none)."""
-    index = Path(run_dir) / SNAPSHOTS / SNAPSHOT_INDEX
-    if not index.exists():
-        return []
-    return [json.loads(line) for line in index.read_text().splitlines() if line.strip()]
 
 
 def save(
@@ -335,7 +314,7 @@ def prune(root: Path, keep: int, newest: Path) -> None:
     keep = max(keep, 2)
     newest_step = verify(newest).step
     kept = 0
-    for step, path in _step_dirs(root):
+    for step, path in step_dirs(root):
         if step > newest_step:
             log.warning("deleting %s: newer than %s but from an abandoned past", path, newest.name)
         elif kept < keep:

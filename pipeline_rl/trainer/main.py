@@ -1,6 +1,6 @@
 """Entry point of one trainer rank. Started by `accelerate launch` (see launch_cmd.trainer_command):
 
-    python -m accelerate.commands.launch --config_file conf/accelerate/ddp.yaml --num_processes 2 \\
+    python -m accelerate.commands.launch --config_file pipeline_rl/conf/accelerate/ddp.yaml --num_processes 2 \\
         --main_process_port 29555 -m pipeline_rl.cli train --config runs/x/config.json
 
 Exit status: 0 after trainer.max_steps or after SIGTERM/SIGINT (a final checkpoint is written first;

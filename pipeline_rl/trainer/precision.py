@@ -1,11 +1,10 @@
 """Whether bf16 mixed precision pays on this machine's CPU: one check for the trainer and the benchmarks.
 
 torch runs bf16 matmuls on the CPU through oneDNN, which computes in bf16 only where the CPU has bf16
-instructions: AVX512_BF16 or AMX-BF16 on x86, BF16 on Arm. Elsewhere it converts: on a 2-core AVX2 EPYC
-a 512x2560 by 2560x2560 matmul took 18 s in bf16 against 0.16 s in float32 (114x), the default 256x1024
-one 50-77x, so a bf16 step there takes minutes (docs/benchmarks.md, F19); on a 2-core Xeon with AVX-512
-but without AVX512_BF16, where torch's own check says bf16 is supported, the 256x1024 one took 3.2x and 3.5x
-float32's time in two runs (2026-11-29). See for yourself on any machine:
+instructions: AVX512_BF16 or AMX-BF16 on x86, BF16 on Arm. Elsewhere it converts, and a bf16 matmul
+takes several times to two orders of magnitude float32's time (more without AVX-512), also where
+torch's own check says bf16 is supported (docs/trainer.md, "Mixed precision"). See for yourself on any
+machine:
 
     .venv/bin/python -m pipeline_rl.trainer.precision [--rows 512 --width 2560]
 """
@@ -18,8 +17,9 @@ import time
 
 import torch
 
-# How much slower torch's bf16 matmuls ran than float32 without bf16 instructions: 3.2-3.5x on an AVX-512
-# Xeon (2026-11-29), 49.5x, 76.5x and 113.8x on an AVX2 EPYC (F19).
+# How much slower torch's bf16 matmuls run than float32 on CPUs without bf16 instructions, over the CPU
+# kinds measured (with AVX-512 at the low end, AVX2 only at the high end; `python -m
+# pipeline_rl.trainer.precision` measures this machine).
 BF16_FALLBACK_SLOWDOWN = "3-114x"
 # x86 CPU flags (Linux /proc/cpuinfo) of the instructions that compute in bf16.
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")

@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 
 from pipeline_rl.messages import TrainingPackage, TrainingSample
-from pipeline_rl.preprocess_ops import collate_micro_batch, is_padding, padding_sample
+from pipeline_rl.preprocess.ops import collate_micro_batch, is_padding, padding_sample
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.losses import AlgoConfig, rl_loss, token_entropy, token_logprobs, trained_counts
 from pipeline_rl.trainer.strategies import Strategy

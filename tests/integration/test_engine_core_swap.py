@@ -17,7 +17,7 @@ import pytest
 from inference_shim.backends.common import SamplingRequest
 from inference_shim.backends.vllm_backend import VllmBackend, VllmOptions
 from inference_shim.metrics import ShimMetrics
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 
 @pytest.fixture(scope="module")

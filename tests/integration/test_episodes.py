@@ -12,15 +12,15 @@ import asyncio
 
 import pytest
 import torch
-from _servers import running_servers
+from support.servers import running_servers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference_shim.client import AsyncShimClient
 from inference_shim.weight_sender import WeightSender
 from pipeline_rl.actor.episode import EpisodeLimits, between_turns_text, run_episode
+from pipeline_rl.demo.tiny_model import build_tiny_model
 from pipeline_rl.messages import RolloutGroup
-from pipeline_rl.preprocess_ops import PreprocessConfig, group_to_training_samples
-from pipeline_rl.tiny_model import build_tiny_model
+from pipeline_rl.preprocess.ops import PreprocessConfig, group_to_training_samples
 
 ASK = [{"role": "user", "content": "2+3="}]
 TURN_TOKENS = 6

@@ -11,6 +11,7 @@ Checked during the run (single-host defaults):
   * every file of the run directory that holds a secret is 0600 inside a 0700 directory; config.json,
     cmd/*.sh and the logs hold none, and cmd/*.sh are 0700;
   * the private Redis answers NOAUTH to a client without the password and PONG to one with it.
+Then Ctrl-C (SIGINT to the launcher) stops the run within seconds and leaves no process of it.
 """
 
 from __future__ import annotations
@@ -21,19 +22,12 @@ import re
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import redis
-from test_launcher import (
-    SMALL_RUN,
-    _finish,
-    _launch,
-    _read_until,
-    _sessions_alive,
-    _started_pids,
-    tiny_model,  # noqa: F401 - fixture
-)
+from support.launching import SMALL_RUN, finish, launch, read_until, sessions_alive, started_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -80,16 +74,16 @@ def _loopback(address: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost") or host.startswith("::ffff:127.")
 
 
-def test_a_launched_run_exposes_nothing(tiny_model, tmp_path):  # noqa: F811 - fixture
+def test_a_launched_run_exposes_nothing_and_ctrl_c_stops_all_of_it_in_seconds(launch_model, tmp_path):
     run_dir = tmp_path / "run"
-    proc = _launch([f"model_path={tiny_model}", f"run_dir={run_dir}", "trainer.max_steps=1000", *SMALL_RUN])
+    proc = launch([f"model_path={launch_model}", f"run_dir={run_dir}", "trainer.max_steps=1000", *SMALL_RUN])
     children: set[int] = set()
     try:
-        output = _read_until(proc, r"started actor0 \(pid \d+\)", timeout_s=300)
+        output = read_until(proc, r"started actor0 \(pid \d+\)", timeout_s=300)
         # Past this line the trainer has joined every server's weight group; let a few pushes and
         # stream reads happen so every socket of the run exists.
-        output += _read_until(proc, r"step [1-9]\d*/1000", timeout_s=120)
-        children = _started_pids(output)
+        output += read_until(proc, r"step [1-9]\d*/1000", timeout_s=120)
+        children = started_pids(output)
         pids = _run_pids(proc.pid, children)
 
         exposed = [line for address, line in _listeners(pids) if not _loopback(address)]
@@ -117,10 +111,16 @@ def test_a_launched_run_exposes_nothing(tiny_model, tmp_path):  # noqa: F811 - f
             assert raw.recv(200).startswith(b"-NOAUTH")
         assert redis.Redis.from_url(redis_url, socket_timeout=5).ping()
     finally:
-        if proc.poll() is None:
+        running = proc.poll() is None
+        started = time.monotonic()
+        if running:
             proc.send_signal(signal.SIGINT)
-        output = _finish(proc, "", timeout_s=120)
-    assert not _sessions_alive(children), "processes left behind"
+        output = finish(proc, "", timeout_s=120)
+    # Ctrl-C mid-run: every process of the run (vLLM's EngineCore and workers included) is gone in seconds.
+    assert running, "the run ended before Ctrl-C"
+    assert time.monotonic() - started < 45, "shutdown must take seconds, not minutes"
+    assert proc.returncode != 0
+    assert not sessions_alive(children), "processes left behind"
     # The logs of the whole run, shutdown included, carry no secret either.
     _check_run_dir(run_dir, [token, password])
     assert token not in output and password not in output, "the launcher printed a secret"

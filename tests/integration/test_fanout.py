@@ -6,7 +6,7 @@ one copy's time over a shaped trainer link across simulated hosts.
 
 The in-process tests run every rank of a gloo group as a thread of this process (gloo releases the GIL
 while it waits), on loopback. The simulated-host tests start the relay's sender on host `a` and one
-receiver process per host (pipeline_rl/bench/multihost_rig.py's agent and peers, the benchmark's own
+receiver process per host (pipeline_rl/testing/hostrig.py's agent and peers, the benchmark's own
 processes), each in its network namespace, and compare with a TCP stream over the same shaped link.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_shim.fanout import FanoutError, chunk_spans, position, relay, start_send
+from inference_shim.fanout import FanoutError, relay, start_send
 from inference_shim.transfer import WeightGroup, connect_store, join_group
-from pipeline_rl.simhosts import SimNet, available, measure_throughput
+from pipeline_rl.testing.simhosts import SimNet, available, measure_throughput
 
 OK, WHY = available()
 TIMEOUT_S = 30.0
@@ -50,20 +50,6 @@ def _threads(world: int, body) -> list:
         t.join(3 * TIMEOUT_S)
     assert not any(t.is_alive() for t in threads), "a rank hung past every deadline"
     return results
-
-
-def test_chain_position_and_chunks():
-    first = position([0, 3, 1], 0)
-    assert (first.previous, first.next) == (None, 3)
-    middle = position([0, 3, 1], 3)
-    assert (middle.previous, middle.next) == (0, 1)
-    assert position([0, 3, 1], 1).next is None
-    with pytest.raises(ValueError, match="not in the chain"):
-        position([0, 1], 2)
-    with pytest.raises(ValueError, match="once"):
-        position([0, 1, 1], 1)
-    assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert chunk_spans(0, 4) == []
 
 
 def test_relay_is_byte_exact_at_every_rank_in_any_order_with_buckets_in_flight():
@@ -131,7 +117,7 @@ def test_chain_across_hosts_is_byte_exact_and_costs_one_copy_over_the_shaped_tra
     A broadcast makes a's link carry several copies; the chain carries one, so it must take about as long
     as one TCP stream of the same bytes over that link (plus the pipeline fill, a few 1 MiB chunks).
     """
-    from pipeline_rl.bench.multihost_rig import HostRig
+    from pipeline_rl.testing.hostrig import HostRig
 
     nbytes = 20_000_000  # ~0.8 s per copy at 200 Mbit/s: long against the fill and the noise
     with SimNet(["a", "r1", "r2", "r3"]) as net:
@@ -156,7 +142,7 @@ def test_chain_across_hosts_is_byte_exact_and_costs_one_copy_over_the_shaped_tra
 def test_a_cut_link_in_the_middle_of_the_chain_fails_the_ranks_behind_it_within_the_deadline(tmp_path: Path):
     """r2's cable is cut mid-relay: the round fails at the sender (its barrier after the sends, or a send,
     times out) within the processes' deadline instead of hanging."""
-    from pipeline_rl.bench import multihost_rig as multihost
+    from pipeline_rl.testing import hostrig as multihost
 
     deadline_s = 10.0
     with SimNet(["a", "r1", "r2", "r3"]) as net:

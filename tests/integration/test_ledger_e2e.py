@@ -15,20 +15,25 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import test_trainer
-from _servers import running_servers
-from test_preprocess import packages_by_batch
-from test_trainer import ATTEMPTS, make_groups, read_jsonl, run_config, run_trainer, with_versions
+from support.servers import running_servers
+from support.training import (
+    ATTEMPTS,
+    make_groups,
+    packages_by_batch,
+    read_jsonl,
+    run_config,
+    run_trainer,
+    with_versions,
+)
 
 from pipeline_rl.actor import run_actor
 from pipeline_rl.ledger import TOO_STALE, ledger_dir, ledger_summary, read_records
 from pipeline_rl.messages import RolloutGroup
-from pipeline_rl.preprocess import GROUP, Preprocessor
-from pipeline_rl.preprocess_ops import group_to_training_samples
+from pipeline_rl.preprocess.main import GROUP, Preprocessor
+from pipeline_rl.preprocess.ops import group_to_training_samples
 from pipeline_rl.streams import ROLLOUTS, make_reader, make_writer
 
 pytestmark = pytest.mark.slow
-tiny_model = test_trainer.tiny_model  # the shared fixture (a session-scoped tiny model)
 
 
 def _preprocess_all(cfg, prep: Preprocessor) -> None:

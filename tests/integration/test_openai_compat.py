@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from _servers import running_servers
+from support.servers import running_servers
 
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 POSITIONS = 1024
 ASK = [{"role": "user", "content": "2+3="}]

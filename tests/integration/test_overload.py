@@ -6,7 +6,7 @@ flood (the same weights as version 1, over a real gloo group) completes and is s
 with small admission limits (32 at once, 96 waiting) so that the flood is far beyond them.
 
 The clients stand for callers on other machines, so each runs in a spawned process of its own
-(tests/integration/_load_clients.py, torch-free): the flood's 1,000 at a lower CPU priority (nice 10),
+(tests/support/load_clients.py, torch-free): the flood's 1,000 at a lower CPU priority (nice 10),
 since on a 2-core box their httpx work would otherwise take the cores the server needs; the /health
 poller at normal priority, away from this process, whose heap (torch, vLLM, every earlier test's
 objects) makes one garbage collection here a pause of 0.5 s or more that the poller would time.
@@ -23,13 +23,13 @@ import threading
 import time
 from collections import Counter
 
-import _load_clients
 import httpx
 import pytest
-from _servers import checkpoint_params, running_servers
+from support import load_clients
+from support.servers import checkpoint_params, running_servers
 
 from inference_shim.weight_sender import WeightSender
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -40,7 +40,7 @@ MAX_ACTIVE, MAX_QUEUED = 32, 96
 HEALTH_LIMIT_S = 1.0
 FLOOD_DEADLINE_S = 150.0  # the whole flood, update included, stays well inside 3 minutes
 FLOOD_NICE = 10  # the clients' CPU priority below the server's (module docstring)
-CHILD_START_S = 60.0  # a spawned child imports httpx and _load_clients in a few seconds
+CHILD_START_S = 60.0  # a spawned child imports httpx and support.load_clients in a few seconds
 POLL_MAX_S = FLOOD_DEADLINE_S + 120  # the poller stops by itself if this test never tells it to
 
 
@@ -92,11 +92,11 @@ def test_thousand_concurrent_requests_health_and_update(tmp_path):
         pusher = threading.Thread(target=push, name="weight-push", daemon=True)
         flood_args = (url, REQUESTS, CLIENTS, FLOOD_DEADLINE_S, FLOOD_NICE)
         try:
-            with _child("health poller", _load_clients.poll_health, url, POLL_MAX_S) as (
+            with _child("health poller", load_clients.poll_health, url, POLL_MAX_S) as (
                 polled,
                 stop_polling,
             ):
-                with _child("flood", _load_clients.flood, *flood_args) as (flooded, _):
+                with _child("flood", load_clients.flood, *flood_args) as (flooded, _):
                     started = time.perf_counter()
                     pusher.start()
                     statuses = _result("flood", flooded, FLOOD_DEADLINE_S + 30)

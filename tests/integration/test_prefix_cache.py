@@ -13,10 +13,10 @@ import re
 
 import httpx
 import pytest
-from _servers import checkpoint_params, running_servers, transformers_greedy
+from support.servers import checkpoint_params, running_servers, transformers_greedy
 
 from inference_shim.weight_sender import WeightSender
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 TOKEN = "test-token"
 BLOCK = 128  # vLLM-CPU's KV block: the unit the prefix cache hashes and matches

@@ -14,10 +14,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from support.training import packages_by_batch, read_all
 
 from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl import preprocess
@@ -31,17 +32,15 @@ from pipeline_rl.messages import (
     StatsRecord,
     TrainingPackage,
 )
-from pipeline_rl.preprocess import GROUP, Preprocessor
-from pipeline_rl.preprocess_ops import is_padding
+from pipeline_rl.preprocess.main import GROUP, Preprocessor
+from pipeline_rl.preprocess.ops import is_padding
 from pipeline_rl.streams import (
     DEAD_LETTER,
     ROLLOUTS,
     STATS,
     TRAINER_EVENTS,
     StreamsConfig,
-    make_reader,
     make_writer,
-    training_partition,
 )
 
 ATTEMPTS = 4
@@ -81,24 +80,6 @@ def make_group(index: int, rng: random.Random, rewards: list[float] | None = Non
             )
         )
     return RolloutGroup(group_id=group_id, task="t", prompt_index=index, actor_id=0, samples=samples)
-
-
-def read_all(cfg: RunConfig, topic: str) -> list:
-    reader = make_reader(cfg.streams, topic)
-    out = []
-    while entries := reader.read(count=500, block_s=0.0):
-        out += [e.message for e in entries]
-    return out
-
-
-def packages_by_batch(cfg: RunConfig) -> dict[str, dict[int, TrainingPackage]]:
-    batches: dict[str, dict[int, TrainingPackage]] = defaultdict(dict)
-    for rank in range(cfg.trainer.num_processes):
-        for package in read_all(cfg, training_partition(rank)):
-            assert package.rank == rank and package.num_ranks == cfg.trainer.num_processes
-            assert rank not in batches[package.batch_id], f"{package.batch_id} twice on rank {rank}"
-            batches[package.batch_id][rank] = package
-    return batches
 
 
 def trained_sample_ids(batch: dict[int, TrainingPackage]) -> list[str]:

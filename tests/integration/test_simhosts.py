@@ -1,4 +1,4 @@
-"""The simulated-hosts harness itself (pipeline_rl/simhosts.py): reachability, cut and heal, tbf shaping,
+"""The simulated-hosts harness itself (pipeline_rl/testing/simhosts.py): reachability, cut and heal, tbf shaping,
 cleanup on every exit path, the sweep of stale namespaces. Real namespaces, veths, bridge and tc; a few
 seconds in all; skipped (with the reason) where namespaces cannot be created (not root, no iproute2).
 
@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from pipeline_rl.simhosts import PREFIX, SimNet, available, measure_throughput
+from pipeline_rl.testing.simhosts import PREFIX, SimNet, available, measure_throughput
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _servers import greedy_chat, running_servers
 from safetensors.torch import load_file
+from support.servers import greedy_chat, running_servers
 
 from inference_shim.client import ShimClient
 from inference_shim.protocol import (
@@ -39,7 +39,7 @@ from inference_shim.protocol import (
     verify_value,
 )
 from inference_shim.weight_sender import WeightSender
-from pipeline_rl.tiny_model import build_tiny_model
+from pipeline_rl.demo.tiny_model import build_tiny_model
 
 TOKEN = "store-auth-token"
 GROUP = "weights"

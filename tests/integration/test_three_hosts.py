@@ -3,7 +3,7 @@
 
     flock /tmp/pipeline-rl-heavy.lock .venv/bin/python -m pytest -q tests/integration/test_three_hosts.py  # ~2-3 min
 
-Hosts are network namespaces on one switch (pipeline_rl/simhosts.py; root needed, skipped with the
+Hosts are network namespaces on one switch (pipeline_rl/testing/simhosts.py; root needed, skipped with the
 reason otherwise); they share this machine's cores and /tmp, which stands in for the shared storage of
 the run directory. The cluster file (written by the test with the SimNet's addresses):
   a  Redis (bound to a's address), trainer machine rank 0 (torchrun's store and the weight group's
@@ -28,11 +28,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from _servers import transformers_greedy
+from support.servers import transformers_greedy
 
 from inference_shim.procs import log_tail, stop_process_tree
-from pipeline_rl.simhosts import SimNet, available
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.testing.simhosts import SimNet, available
 
 OK, WHY = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=WHY), pytest.mark.timeout(420)]

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from _servers import running_servers
+from support.servers import running_servers
 
-from pipeline_rl.tiny_model import TinyModelSpec, build_tiny_model
+from pipeline_rl.demo.tiny_model import TinyModelSpec, build_tiny_model
 
 MESSAGES = [{"role": "user", "content": "What is 3+4? Reply with answer: <integer>"}]
 

@@ -2,7 +2,7 @@
 DDP, DeepSpeed ZeRO-3 and FSDP2 fit a fixed batch and agree with a single-rank reference computed in this
 process; DDP replicas stay bit-identical; ZeRO-3 and FSDP push exactly the parameters they gather.
 
-Pushes go to a CaptureServer (tests/integration/_capture.py: the server with its capture backend): it
+Pushes go to a CaptureServer (tests/support/capture.py: the server with its capture backend): it
 has no engine but joins the weight group as a real gloo peer with the contract's own receive code, so the bytes it holds are the
 bytes the trainer broadcast. Training data is written straight to the partitions (packed with the real
 preprocessing functions), so these tests do not depend on the preprocessor process.
@@ -11,10 +11,9 @@ preprocessing functions), so these tests do not depend on the preprocessor proce
 from __future__ import annotations
 
 import pytest
-import test_trainer
 import torch
-from _capture import CaptureServer
-from test_trainer import (
+from support.capture import CaptureServer
+from support.training import (
     fixed_batches,
     load_weights,
     make_groups,
@@ -28,7 +27,6 @@ from test_trainer import (
 from pipeline_rl.trainer import checkpoint
 
 pytestmark = pytest.mark.slow
-tiny_model = test_trainer.tiny_model  # the shared fixture (a session-scoped tiny model)
 
 STEPS = 4
 

@@ -13,12 +13,11 @@ import time
 
 import httpx
 import pytest
-import test_trainer
 import torch
-from _servers import running_servers
-from test_trainer import (
+from support.servers import running_servers
+from support.training import (
     ATTEMPTS,
-    _model,
+    hf_model,
     make_groups,
     read_jsonl,
     run_config,
@@ -30,11 +29,10 @@ from test_trainer import (
 from inference_shim.openai_protocol import VersionSpan
 from inference_shim.weight_sender import WeightSender
 from pipeline_rl.messages import RolloutGroup, Sample, WeightVersionEvent
-from pipeline_rl.preprocess import Preprocessor
+from pipeline_rl.preprocess.main import Preprocessor
 from pipeline_rl.streams import ROLLOUTS, TRAINER_EVENTS, make_reader, make_writer
 
 pytestmark = pytest.mark.slow
-tiny_model = test_trainer.tiny_model  # the shared fixture (a session-scoped tiny model)
 
 TOKEN = "trainer-test-token"
 
@@ -88,7 +86,7 @@ def _preprocess(cfg, prep: Preprocessor, groups: list[RolloutGroup]) -> None:
 
 
 def _initial_logprobs(model_dir, groups: list[RolloutGroup]) -> list[float]:
-    model = _model(model_dir)
+    model = hf_model(model_dir)
     out = []
     for s in (s for g in groups for s in g.samples):
         with torch.no_grad():
@@ -143,7 +141,7 @@ def test_a_refused_push_stops_the_trainer_with_the_server_named(server, redis_se
     sender = WeightSender([server], token=TOKEN, timeout_s=60)
     sender.connect()
     try:
-        sender.push_tensors(ahead, list(_model(tiny_model).named_parameters()))
+        sender.push_tensors(ahead, list(hf_model(tiny_model).named_parameters()))
     finally:
         sender.close()
 

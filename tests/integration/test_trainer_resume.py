@@ -4,7 +4,7 @@ trained once, versions continuing, the weight receiver brought back to the check
 
 Real parts: redis-server, two preprocessors (in this process, taking turns, so their batches interleave
 in both partitions), the `accelerate launch` trainer command, a real gloo weight group. The receiver is
-the CaptureServer (tests/integration/_capture.py, no engine): it outlives the killed trainer like a real server would and keeps the
+the CaptureServer (tests/support/capture.py, no engine): it outlives the killed trainer like a real server would and keeps the
 history of versions it applied.
 """
 
@@ -17,9 +17,8 @@ from collections import Counter
 
 import psutil
 import pytest
-import test_trainer
-from _capture import CaptureServer
-from test_trainer import (
+from support.capture import CaptureServer
+from support.training import (
     make_groups,
     read_jsonl,
     run_config,
@@ -30,13 +29,12 @@ from test_trainer import (
 
 from pipeline_rl.ledger import ledger_summary
 from pipeline_rl.messages import WeightVersionEvent
-from pipeline_rl.preprocess import Preprocessor
+from pipeline_rl.preprocess.main import Preprocessor
 from pipeline_rl.streams import ROLLOUTS, TRAINER_EVENTS, make_reader, make_writer, training_partition
 from pipeline_rl.trainer import checkpoint
 from pipeline_rl.trainer.feed import commit_name
 
 pytestmark = pytest.mark.slow
-tiny_model = test_trainer.tiny_model  # the shared fixture (a session-scoped tiny model)
 
 STEPS = 6
 

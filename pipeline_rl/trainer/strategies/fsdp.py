@@ -33,7 +33,7 @@ class FSDPStrategy(Strategy):
             raise ValueError(
                 "FSDP_CPU_RAM_EFFICIENT_LOADING is on (fsdp_cpu_ram_efficient_loading in the accelerate "
                 "config): transformers then loads weights on rank 0 only and the other ranks would train "
-                "garbage; set it to false in conf/accelerate/fsdp.yaml"
+                "garbage; set it to false in pipeline_rl/conf/accelerate/fsdp.yaml"
             )
         module = load_hf_model(weights_dir, comm.device)
         self.sharded = comm.distributed

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 through `deepspeed.initialize` (CPU over gloo, or GPU over nccl).
 
-The ZeRO settings come from conf/deepspeed/zero{2,3}.json (or the file `accelerate launch
+The ZeRO settings come from pipeline_rl/conf/deepspeed/zero{2,3}.json (or the file `accelerate launch
 --deepspeed_config_file` names). The fields the trainer owns are filled from TrainerConfig and must not
 be in the file: batch sizes (micro-batch 1, accumulation 1, train_batch_size = world size, as DeepSpeed
 requires train_batch_size = micro x accumulation x world), gradient clipping and the optimizer (torch's
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pipeline_rl.config import RunConfig
-from pipeline_rl.paths import CONF_DIR, REPO_ROOT
+from pipeline_rl.paths import CONF_DIR
 from pipeline_rl.trainer.dist import Comm
 from pipeline_rl.trainer.model import WeightSpec, check_names, load_hf_model, lr_lambda
 from pipeline_rl.trainer.strategies.base import Strategy
@@ -48,7 +48,7 @@ def deepspeed_config(cfg: RunConfig, world: int, stage: int) -> dict:
         os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or CONF_DIR / "deepspeed" / f"zero{stage}.json"
     )
     if not path.is_absolute() and not path.exists():
-        path = REPO_ROOT / path  # accelerate passes the YAML's path as written (relative to the repo)
+        path = CONF_DIR / path  # accelerate passes the YAML's path as written (relative to pipeline_rl/conf/)
     config = json.loads(path.read_text())
     clash = [key for key in TRAINER_OWNED if key in config]
     if clash:

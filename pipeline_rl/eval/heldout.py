@@ -1,0 +1,167 @@
+"""Held-out accuracy of whatever weights a server is serving: greedy completions of the task's test split.
+
+    python -m pipeline_rl.eval.heldout --url http://127.0.0.1:8000 --problems 200
+
+The launcher calls `evaluate_server` before RL starts (version 0) and after the last step, through the
+same HTTP contract the actor uses, so the figure is exactly what the served weights do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+from inference_shim.client import AsyncShimClient
+from pipeline_rl.actor.episode import EpisodeLimits, run_episode
+from pipeline_rl.tasks import TaskConfig, held_out_problems, make_task
+
+
+async def _evaluate(
+    url: str,
+    task_cfg: TaskConfig,
+    num_problems: int,
+    max_tokens: int,
+    token: str | None,
+    model_path: str | None = None,
+    max_model_len: int = 4096,
+) -> dict:
+    task = make_task(task_cfg)
+    multi_turn = getattr(task, "multi_turn", False)
+    if multi_turn:  # episodes render the environment's turns with the model's tokenizer
+        from transformers import AutoTokenizer
+
+        if model_path is None:
+            raise ValueError(f"evaluating the multi-turn task {task.name!r} needs the model's directory")
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        limits = EpisodeLimits(
+            max_turns=task_cfg.episode_max_turns,
+            max_tokens_per_turn=max_tokens,
+            token_budget=task_cfg.episode_token_budget,
+        )
+    problems = held_out_problems(task, num_problems)
+    client = AsyncShimClient(url, token=token, timeout_s=120)
+    limit = asyncio.Semaphore(64)
+
+    async def one(problem) -> tuple[str, int]:
+        if multi_turn:
+            env = task.environment(problem)
+            async with limit:
+                episode = await run_episode(
+                    client, tokenizer, env, limits, {"temperature": 0.0}, max_model_len
+                )
+            versions = {span.version for span in episode.spans}
+            return task.grade(problem, "".join(episode.texts)), max(versions, default=-1)
+        async with limit:
+            response = await client.chat(problem.messages, max_tokens=max_tokens, temperature=0.0)
+        choice = response.choices[0]
+        versions = {span.version for span in choice.weight_versions or []}
+        return task.grade(problem, choice.message.content or ""), max(versions, default=-1)
+
+    try:
+        results = await asyncio.gather(*(one(p) for p in problems))
+    finally:
+        await client.aclose()
+    grades = [g for g, _ in results]
+    return {
+        "accuracy": grades.count("correct") / len(grades),
+        "unparseable": grades.count("unparseable") / len(grades),
+        "problems": len(grades),
+        "weight_version": max(v for _, v in results),
+    }
+
+
+def evaluate_server(
+    url: str,
+    task_cfg: TaskConfig,
+    num_problems: int,
+    max_tokens: int,
+    token: str | None = None,
+    model_path: str | None = None,
+    max_model_len: int = 4096,
+) -> dict:
+    """{'accuracy', 'unparseable', 'problems', 'weight_version'} of greedy answers on the test split
+    (greedy episodes for a multi-turn task, which needs `model_path` for its tokenizer)."""
+    return asyncio.run(_evaluate(url, task_cfg, num_problems, max_tokens, token, model_path, max_model_len))
+
+
+class RunEvaluations:
+    """The launcher's evaluations of one run: before/after RL and periodic (eval.every_s), each appended
+    to <run_dir>/stats.jsonl as type 'eval' (where the report's plots and the benchmarks read them).
+    Each uses the first server that answers it (a server may be restarting)."""
+
+    def __init__(self, cfg, run_dir: Path) -> None:
+        self.cfg = cfg  # a pipeline_rl.config.RunConfig
+        self.run_dir = run_dir
+        self.results: dict[str, dict] = {}  # "before" / "after" -> result
+        self._thread: threading.Thread | None = None
+
+    def measure(self) -> dict:
+        from pipeline_rl.fleet import read_fleet
+
+        e, inference = self.cfg.eval, self.cfg.inference
+        errors = []
+        for url in read_fleet(self.cfg.run_dir) or inference.urls:
+            try:
+                return evaluate_server(
+                    url,
+                    self.cfg.task,
+                    e.num_problems,
+                    e.max_tokens,
+                    inference.token,
+                    self.cfg.model_path,
+                    inference.max_model_len,
+                )
+            except Exception as err:  # the next server may answer
+                errors.append(f"{url}: {type(err).__name__}: {err}")
+        raise RuntimeError("no server could be evaluated: " + "; ".join(errors))
+
+    def record(self, result: dict, when: str) -> None:
+        row = {"type": "eval", "time": time.time(), "when": when, **result}
+        with (self.run_dir / "stats.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def evaluate(self, when: str) -> None:
+        result = self.measure()
+        self.results[when] = result
+        self.record(result, when)
+        print(
+            f"held-out accuracy {when} RL: {result['accuracy']:.1%} (weight version {result['weight_version']})",
+            flush=True,
+        )
+
+    def start_periodic(self) -> None:
+        """One evaluation in a background thread, unless the previous one is still running."""
+
+        def run() -> None:
+            try:
+                result = self.measure()
+            except Exception as e:  # a failed evaluation is reported, the run goes on
+                print(f"(periodic evaluation failed: {e})", flush=True)
+                return
+            self.record(result, "periodic")
+
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=run, name="periodic-eval", daemon=True)
+            self._thread.start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Greedy held-out accuracy of a running server.")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--problems", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--task", default="arith")
+    parser.add_argument(
+        "--model", default=None, help="the model's directory (multi-turn tasks: its tokenizer)"
+    )
+    args = parser.parse_args(argv)
+    task = TaskConfig(name=args.task)
+    print(json.dumps(evaluate_server(args.url, task, args.problems, args.max_tokens, model_path=args.model)))
+
+
+if __name__ == "__main__":
+    main()
