@@ -14,7 +14,8 @@ import argparse
 import os
 
 # What every engine process on a CPU box needs (see docs/decisions.md): a bounded KV cache instead of
-# ~90% of RAM, loopback addresses, no hub access, no usage reporting. Explicit settings win.
+# ~90% of RAM, loopback addresses, no hub access, no usage reporting. Explicit settings win. Applied by a
+# server without a GPU, and by the launcher to every process of a platform=cpu run, never on GPU.
 ENGINE_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
@@ -40,10 +41,19 @@ SERVER_NCCL_ENV = {
 }
 
 
+def cpu_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """ENGINE_ENV_DEFAULTS that `environ` (default: this process's) does not set already."""
+    environ = os.environ if environ is None else environ
+    return {key: value for key, value in ENGINE_ENV_DEFAULTS.items() if key not in environ}
+
+
 def apply_engine_env() -> None:
-    """Set ENGINE_ENV_DEFAULTS in this process's environment where they are not set already."""
-    for key, value in ENGINE_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    """On a machine without a visible GPU, set ENGINE_ENV_DEFAULTS where they are not set already (a GPU
+    server keeps vLLM's own defaults: its KV cache is GPU memory, and it may fetch from the hub)."""
+    from inference_shim.engine_check import gpu_visible
+
+    if not gpu_visible():
+        os.environ.update(cpu_engine_env())
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,6 +90,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="longest prompt + completion, in tokens (default: the model's max_position_embeddings)",
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded at once")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vllm backend on a GPU: share of the GPU's memory the engine may take (default vLLM's, 0.9)",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per server (1 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument(
@@ -173,8 +189,19 @@ def engine_options(args: argparse.Namespace) -> dict:
         except ValueError as e:
             raise SystemExit(f"pipeline-rl serve: {e}") from None
     from inference_shim.backends.common import resolve_max_model_len  # light: no engine
+    from inference_shim.engine_check import checkpoint_problems, gpu_visible, vllm_version_problem
 
-    try:  # before any engine starts: a length the model cannot take fails here, in one line
+    # Before any engine starts: a vLLM we do not support, a checkpoint the engine cannot serve (an
+    # architecture it does not know, a head size its CPU attention lacks) or a length the model cannot
+    # take fails here, in seconds, saying what works.
+    problems = []
+    if args.backend == "vllm" and (version := vllm_version_problem()):
+        problems.append(version)
+    if args.backend in ("vllm", "torch"):
+        problems += checkpoint_problems(args.model, args.backend, on_gpu=gpu_visible())
+    if problems:
+        raise SystemExit("pipeline-rl serve: " + "\n  ".join(problems))
+    try:
         max_model_len = resolve_max_model_len(args.model, args.max_model_len)
     except ValueError as e:
         raise SystemExit(f"pipeline-rl serve: {e}") from None
@@ -189,11 +216,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     }
     if args.backend == "torch":
         return common
-    return {
-        **common,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        **tools,
-    }
+    engine = {**common, "tensor_parallel_size": args.tensor_parallel_size, **tools}
+    if args.gpu_memory_utilization is not None:
+        if args.backend != "vllm":
+            raise SystemExit("--gpu-memory-utilization needs --backend vllm")
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return engine
 
 
 def run(args: argparse.Namespace) -> None:

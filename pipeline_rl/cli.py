@@ -5,6 +5,7 @@
     pipeline-rl tiny-model --out DIR --grow-from DIR2 --factor 5   DIR2 5x wider, same function
     pipeline-rl launch [key=value ...]                       a whole run (see README)
     pipeline-rl demo                                         the CPU demo
+    pipeline-rl eval MODEL... [key=value ...] [--samples K]  held-out scores of checkpoints or runs
     pipeline-rl fleet list|add|remove [URL] --run-dir RUN    servers of a running job
     pipeline-rl actor|preprocess|train --config RUN/config.json ...   one process (launcher uses these)
     pipeline-rl --help
@@ -17,10 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-# The server's command line lives in inference_shim/cli.py; `serve` is it, flag for flag. Its engine
-# environment defaults apply to every process kind here too.
+# The server's command line lives in inference_shim/cli.py; `serve` is it, flag for flag.
 from inference_shim import cli as server_cli
-from inference_shim.cli import apply_engine_env
 
 
 def _set_title(name: str) -> None:
@@ -105,6 +104,10 @@ PASSTHROUGH = {
         "list, add or remove the servers of a running job",
         "pipeline_rl.launch.fleet_route:main",
     ),
+    "eval": (
+        "evaluate checkpoints or runs on a task's held-out split: pass@1, pass@k, maj@k, mean reward",
+        "pipeline_rl.eval.main:main",
+    ),
     "report": (
         "summary, sample ledger and plots of a run directory (finished or running)",
         "pipeline_rl.launch.report:main",
@@ -122,7 +125,6 @@ def _passthrough(name: str, target: str):
 
         module_name, function = target.split(":")
         _set_title(name)
-        apply_engine_env()
         getattr(importlib.import_module(module_name), function)(args.rest)
 
     return add, run

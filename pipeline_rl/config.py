@@ -41,8 +41,19 @@ class InferenceConfig(_Section):
         None, description="Bearer token for control routes (launcher makes one if unset)."
     )
     dtype: str = Field("float32", description="Engine weight dtype: float32 on CPU, bfloat16 on GPU.")
-    max_model_len: int = Field(256, ge=16, description="Longest prompt + completion per sequence.")
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="Longest prompt + completion per sequence; unset: the checkpoint's own (config.json).",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded at once per server.")
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="GPU only: share of each server's GPU memory vLLM may take (weights, activations, KV cache); "
+        "lower it where a server shares its GPU with trainer ranks (placement.colocate).",
+    )
     kv_after_update: Literal["recompute", "keep"] | None = Field(
         None,
         description="KV of in-flight requests after an update: keep (PipelineRL's) or recompute with the new "
@@ -135,6 +146,11 @@ class TrainerConfig(_Section):
         "group whole into one micro-batch; for long prompts and short answers; sdpa or eager attention). "
         "docs/trainer.md, 'Micro-batch layout'.",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer block's activations in the backward pass instead of keeping "
+        "them: far less activation memory (what a 7B model on 80 GB GPUs needs) for about a third more compute.",
+    )
     mixed_precision: Literal["no", "bf16"] = Field(
         "no",
         description="bf16: forward passes under torch.autocast(bfloat16); weights, gradients, optimizer "
@@ -173,7 +189,9 @@ class EvalConfig(_Section):
     """Held-out accuracy (greedy) measured by the launcher before and after RL."""
 
     num_problems: int = Field(200, ge=1, description="Test problems per evaluation.")
-    max_tokens: int = Field(32, ge=1, description="Completion limit during evaluation.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Completion limit during evaluation; unset: actor.max_tokens."
+    )
     every_s: float = Field(0.0, ge=0, description="Also evaluate every N seconds during the run (0 = off).")
 
 
@@ -244,7 +262,12 @@ class RunConfig(_Section):
     """Everything one run needs. Written to <run_dir>/config.json by the launcher."""
 
     run_dir: str = Field("runs/latest", description="Where configs, logs, checkpoints and plots go.")
-    model_path: str = Field("artifacts/tiny-arith", description="Hugging Face model directory to train.")
+    model_path: str = Field(description="Hugging Face checkpoint directory to train (required).")
+    platform: Literal["cpu", "gpu"] = Field(
+        "cpu",
+        description="Set by the platform group (platform=cpu|gpu|auto): gpu gives NCCL and bfloat16 engines; cpu "
+        "also gives every process the CPU engine environment (a bounded KV cache, loopback addresses, offline hub).",
+    )
     mode: Literal["pipeline", "sync"] = Field("pipeline", description="pipelined RL, or generate-then-train.")
     seed: int = Field(
         0, description="Global seed: engine seeds and the actor's per-request sampling seeds derive from it."
@@ -270,15 +293,20 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.actor.max_tokens >= self.inference.max_model_len:
+        if self.eval.max_tokens is None:  # here, not as a field default: it follows actor.max_tokens
+            self.eval = self.eval.model_copy(update={"max_tokens": self.actor.max_tokens})
+        length = self.inference.max_model_len  # None until the launcher reads the checkpoint's (resolve)
+        if length is not None and "seq_length" not in self.preprocess.model_fields_set:
+            self.preprocess = self.preprocess.model_copy(update={"seq_length": length})
+        if length is not None and self.actor.max_tokens >= length:
             raise ValueError(
                 f"actor.max_tokens ({self.actor.max_tokens}) must be below inference.max_model_len "
-                f"({self.inference.max_model_len}): raise max_model_len or lower max_tokens"
+                f"({length}): raise max_model_len or lower max_tokens"
             )
-        if self.preprocess.seq_length < self.inference.max_model_len:
+        if length is not None and self.preprocess.seq_length < length:
             raise ValueError(
                 f"preprocess.seq_length ({self.preprocess.seq_length}) must be >= inference.max_model_len "
-                f"({self.inference.max_model_len}) or long samples get truncated: raise seq_length"
+                f"({length}) or long samples get truncated: raise seq_length"
             )
         if self.trainer.batch_size % self.actor.attempts:
             raise ValueError(
@@ -297,6 +325,10 @@ class RunConfig(_Section):
             raise ValueError(
                 "trainer.push_settle=background needs mode=pipeline: a sync round must generate with the "
                 "new weights, so its push waits for them (set push_settle=wait or leave it unset)"
+            )
+        if self.platform == "cpu" and self.inference.weight_transport == "nccl":
+            raise ValueError(
+                "NCCL needs GPUs: with platform=cpu use inference.weight_transport=gloo (the default)"
             )
         if self.inference.backend == "sglang" and self.inference.weight_transport == "gloo":
             raise ValueError(

@@ -53,7 +53,8 @@ UNTRAINABLE = "untrainable"
 MALFORMED = "malformed"
 TOO_STALE = "too_stale"
 DUPLICATE = "duplicate"
-REASONS = (FILTERED, TOO_LONG, UNTRAINABLE, MALFORMED, TOO_STALE, DUPLICATE)
+REWARD_FAILED = "reward_failed"  # the user's reward (task.reward) raised, hung or gave no finite number
+REASONS = (FILTERED, TOO_LONG, UNTRAINABLE, MALFORMED, TOO_STALE, DUPLICATE, REWARD_FAILED)
 
 
 def ledger_dir(run_dir: str | Path) -> Path:
@@ -81,7 +82,13 @@ class LedgerWriter:
         self.append({"event": "generated", "group": group, "ids": ids})
 
     def dropped(
-        self, reason: str, ids: list[str], *, group: str | None = None, step: int | None = None
+        self,
+        reason: str,
+        ids: list[str],
+        *,
+        group: str | None = None,
+        step: int | None = None,
+        detail: str | None = None,
     ) -> None:
         if reason not in REASONS:
             raise ValueError(f"unknown drop reason {reason!r}; one of {REASONS}")
@@ -90,6 +97,8 @@ class LedgerWriter:
             record["group"] = group
         if step is not None:
             record["step"] = step
+        if detail is not None:
+            record["detail"] = detail
         self.append(record)
 
     def trained(self, step: int, ids: list[str]) -> None:

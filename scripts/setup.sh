@@ -42,8 +42,10 @@ fi
 [ -x "$PY" ] || python3 -m venv "$VENV"
 # pip_install ARGS...: quiet, without the "Location ... is ignored" lines some machines' extra index
 # settings print for every package; pip's own exit status is kept (pipefail).
+# --no-compile: byte-compiling every installed module (torch, vLLM, transformers) is slow on few cores;
+# the modules a run imports are compiled on first import and cached.
 pip_install() {
-  "$PY" -m pip install --quiet "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  "$PY" -m pip install --quiet --no-compile "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 PIP=(pip_install)
 

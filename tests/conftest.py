@@ -54,6 +54,7 @@ assert not _missing, f"SERIAL_FILES names files that do not exist (renamed?): {_
 # order, so starting with them keeps both workers busy to the end instead of leaving one idle while the
 # other runs a long file last (the slowest tests are listed by every `make test`, `--durations`).
 LONGEST_FIRST = (
+    "test_architectures.py",
     "test_smoke.py",
     "test_launcher.py",
     "test_contract_suite.py",

@@ -75,6 +75,12 @@ class VllmOptions(BaseModel):
     )
     max_num_seqs: int = Field(default=64, ge=1, description="Most sequences decoded at once.")
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per server (1 on CPU).")
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="GPU: share of the GPU's memory the engine may take; None: vLLM's.",
+    )
     seed: int = Field(default=0, description="Engine seed.")
     enforce_eager: bool = Field(
         default=True, description="No CUDA graphs / compilation (faster start, needed on CPU)."
@@ -166,6 +172,7 @@ class VllmBackend(Backend):
             seed=o.seed,
             enforce_eager=o.enforce_eager,
             enable_prefix_caching=True,  # safe across updates under either policy: see _kv_epoch
+            **({"gpu_memory_utilization": o.gpu_memory_utilization} if o.gpu_memory_utilization else {}),
             worker_extension_cls=WORKER_EXTENSION,
             **_whole_prefills_on_cpu(self.max_model_len, o.tensor_parallel_size),
         )

@@ -39,10 +39,11 @@ from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
 from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
 from pipeline_rl.config import RunConfig
 from pipeline_rl.fleet import FleetWatch
-from pipeline_rl.ledger import LedgerWriter
-from pipeline_rl.messages import RolloutGroup, Sample, StatsRecord
-from pipeline_rl.streams import ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
+from pipeline_rl.ledger import REWARD_FAILED, LedgerWriter
+from pipeline_rl.messages import DeadLetter, RolloutGroup, Sample, StatsRecord
+from pipeline_rl.streams import DEAD_LETTER, ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
 from pipeline_rl.tasks import Grader, Problem, compute_reward, make_task
+from pipeline_rl.tasks.grader import Judgement
 
 logger = logging.getLogger("pipeline_rl.actor")
 
@@ -114,6 +115,7 @@ class Actor:
         self.probe_now = asyncio.Event()  # a request failed: probe unhealthy servers now
         self.failure: BaseException | None = None
         self.rollouts = make_writer(cfg.streams, ROLLOUTS)
+        self.dead_letters = make_writer(cfg.streams, DEAD_LETTER)
         self.stats = make_writer(cfg.streams, STATS)
         # One thread writes every stats record, in the order they were made: a periodic write still
         # running when the actor stops (a cancelled await does not stop its thread) could otherwise land
@@ -257,62 +259,86 @@ class Actor:
     async def _run_group(self, problem: Problem, start_version: int, started_at: float) -> None:
         group_id = f"{self.index}-{self.incarnation}:{problem.prompt_index}"
         if getattr(self.task, "multi_turn", False):
-            samples, grades, extra = await self._episodes(problem, group_id)
+            samples, judgements, extra = await self._episodes(problem, group_id)
         else:
-            samples, grades = await self._single_turn(problem, group_id)
+            samples, judgements = await self._single_turn(problem, group_id)
             extra = {}
+        failed = [(s, j.error) for s, j in zip(samples, judgements, strict=True) if j.error is not None]
+        kept = [(s, j) for s, j in zip(samples, judgements, strict=True) if j.error is None]
         group = RolloutGroup(
             group_id=group_id,
             task=self.task.name,
             prompt_index=problem.prompt_index,
             actor_id=self.index,
             incarnation=self.incarnation,
-            samples=samples,
+            samples=[s for s, _ in kept],
             metadata={
                 **problem.metadata,
                 "answer": problem.answer,
                 "start_version": start_version,
                 "started_at": started_at,
-                "grades": list(grades),
+                "grades": [j.grade for _, j in kept],
                 **extra,
             },
         )
         async with self.write_lock:  # one writer call at a time (the Writer is not thread-safe)
             # Ledger first: a kill between the two leaves "generated, in flight", never an unknown id.
             self.ledger.generated(group_id, [s.sample_id for s in samples])
-            await asyncio.to_thread(self.rollouts.write, group)
+            if failed:
+                await asyncio.to_thread(self._drop_unscored, group_id, failed)
+            if kept:
+                await asyncio.to_thread(self.rollouts.write, group)
         self.in_flight_versions[start_version] -= 1
         if not self.in_flight_versions[start_version]:
             del self.in_flight_versions[start_version]
-        self.summary.groups_written += 1
-        self.summary.group_ids.append(group_id)
-        self._account(samples)
+        if kept:
+            self.summary.groups_written += 1
+            self.summary.group_ids.append(group_id)
+        self._account([s for s, _ in kept])
         self.wake.set()
 
-    async def _episodes(self, problem: Problem, group_id: str) -> tuple[list[Sample], list, dict]:
-        """A multi-turn task's group: `attempts` episodes, each graded on all the model's text."""
+    def _drop_unscored(self, group_id: str, failed: list[tuple[Sample, str]]) -> None:
+        """Samples the user's reward could not score: dropped with the reason, in the ledger and as dead
+        letters (what the completion was, for a person to look at); the group goes on without them."""
+        for sample, reason in failed:
+            self.ledger.dropped(REWARD_FAILED, [sample.sample_id], group=group_id, detail=reason)
+        self.dead_letters.write_many(
+            [
+                DeadLetter(
+                    topic=ROLLOUTS, stream_id=s.sample_id, error=reason, raw=(s.completion_text or "")[:2000]
+                )
+                for s, reason in failed
+            ]
+        )
+
+    async def _episodes(self, problem: Problem, group_id: str) -> tuple[list[Sample], list[Judgement], dict]:
+        """A multi-turn task's group: `attempts` episodes, each judged on all the model's text."""
         a = self.cfg.actor
         played = await asyncio.gather(*(self._play(problem, i) for i in range(a.attempts)))
-        grades = await asyncio.gather(*(self.grader.grade_async(problem, "".join(e.texts)) for e in played))
+        judgements = await asyncio.gather(
+            *(self.grader.judge_async(problem, "".join(e.texts)) for e in played)
+        )
         budget = self.cfg.task.episode_token_budget
         samples = [
             e.sample(
                 f"{group_id}/{i}",
-                reward=compute_reward(grade, e.finish_reason, sum(e.mask), budget, self.cfg.reward),
+                reward=compute_reward(
+                    j.grade, e.finish_reason, sum(e.mask), budget, self.cfg.reward, j.score
+                ),
             )
-            for i, (e, grade) in enumerate(zip(played, grades, strict=True))
+            for i, (e, j) in enumerate(zip(played, judgements, strict=True))
         ]
         extra = {"turns": [e.turns for e in played], "episode_ends": [e.end for e in played]}
-        return samples, grades, extra
+        return samples, judgements, extra
 
-    async def _single_turn(self, problem: Problem, group_id: str) -> tuple[list[Sample], list]:
+    async def _single_turn(self, problem: Problem, group_id: str) -> tuple[list[Sample], list[Judgement]]:
         a = self.cfg.actor
         parts = [a.attempts] if a.request_mode == "n" else [1] * a.attempts
         done = await asyncio.gather(
             *(self._generate(problem.messages, n, self._seed(problem, i)) for i, n in enumerate(parts))
         )
         completions = [c for part in done for c in part]
-        grades = await asyncio.gather(*(self.grader.grade_async(problem, c.text) for c in completions))
+        judgements = await asyncio.gather(*(self.grader.judge_async(problem, c.text) for c in completions))
         samples = [
             Sample(
                 sample_id=f"{group_id}/{i}",
@@ -322,14 +348,14 @@ class Actor:
                 version_spans=c.spans,
                 finish_reason=c.finish_reason,
                 reward=compute_reward(
-                    grade, c.finish_reason, len(c.token_ids), a.max_tokens, self.cfg.reward
+                    j.grade, c.finish_reason, len(c.token_ids), a.max_tokens, self.cfg.reward, j.score
                 ),
                 completion_text=c.text,
                 server=c.server,
             )
-            for i, (c, grade) in enumerate(zip(completions, grades, strict=True))
+            for i, (c, j) in enumerate(zip(completions, judgements, strict=True))
         ]
-        return samples, grades
+        return samples, judgements
 
     def _seed(self, problem: Problem, part: int) -> int | None:
         if not self.cfg.actor.seed_requests:

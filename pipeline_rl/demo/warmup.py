@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-operand", type=int, default=99)
     parser.add_argument("--operators", default="+-")
     args = parser.parse_args(argv)
-    task_cfg = TaskConfig(name="arith", arith_max_operand=args.max_operand, arith_operators=args.operators)
+    task_cfg = TaskConfig(
+        name="arith", options={"max_operand": args.max_operand, "operators": args.operators}
+    )
     cfg = WarmupConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr)
     print(json.dumps(warm_up(args.base, args.out, task_cfg, cfg), indent=2))
 

@@ -13,11 +13,12 @@ import asyncio
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from inference_shim.client import AsyncShimClient
 from pipeline_rl.actor.episode import EpisodeLimits, run_episode
-from pipeline_rl.tasks import TaskConfig, held_out_problems, make_task
+from pipeline_rl.tasks import Grader, TaskConfig, held_out_problems, make_task
 
 
 async def _evaluate(
@@ -28,6 +29,8 @@ async def _evaluate(
     token: str | None,
     model_path: str | None = None,
     max_model_len: int = 4096,
+    samples: int = 1,
+    seed: int = 0,
 ) -> dict:
     task = make_task(task_cfg)
     multi_turn = getattr(task, "multi_turn", False)
@@ -36,6 +39,8 @@ async def _evaluate(
 
         if model_path is None:
             raise ValueError(f"evaluating the multi-turn task {task.name!r} needs the model's directory")
+        if samples > 1:
+            raise ValueError(f"samples={samples}: sampled evaluation of a multi-turn task is not supported")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         limits = EpisodeLimits(
             max_turns=task_cfg.episode_max_turns,
@@ -46,32 +51,94 @@ async def _evaluate(
     client = AsyncShimClient(url, token=token, timeout_s=120)
     limit = asyncio.Semaphore(64)
 
-    async def one(problem) -> tuple[str, int]:
+    async def greedy(problem) -> tuple[str, int]:
         if multi_turn:
             env = task.environment(problem)
             async with limit:
                 episode = await run_episode(
                     client, tokenizer, env, limits, {"temperature": 0.0}, max_model_len
                 )
-            versions = {span.version for span in episode.spans}
-            return task.grade(problem, "".join(episode.texts)), max(versions, default=-1)
+            return "".join(episode.texts), max((s.version for s in episode.spans), default=-1)
         async with limit:
             response = await client.chat(problem.messages, max_tokens=max_tokens, temperature=0.0)
         choice = response.choices[0]
-        versions = {span.version for span in choice.weight_versions or []}
-        return task.grade(problem, choice.message.content or ""), max(versions, default=-1)
+        return choice.message.content or "", max(
+            (s.version for s in choice.weight_versions or []), default=-1
+        )
 
+    async def sampled(problem) -> list[str]:
+        async with limit:
+            response = await client.chat(
+                problem.messages,
+                max_tokens=max_tokens,
+                temperature=1.0,
+                n=samples,
+                seed=seed + problem.prompt_index,
+            )
+        return [c.message.content or "" for c in response.choices]
+
+    grader = Grader.from_config(task, task_cfg)
     try:
-        results = await asyncio.gather(*(one(p) for p in problems))
+        answers = await asyncio.gather(*(greedy(p) for p in problems))
+        judged = await asyncio.gather(
+            *(grader.judge_async(p, text) for p, (text, _) in zip(problems, answers, strict=True))
+        )
+        result = _summary(judged, task_cfg)
+        result["problems"] = len(problems)
+        result["weight_version"] = max(v for _, v in answers)
+        if samples > 1:
+            drawn = await asyncio.gather(*(sampled(p) for p in problems))
+            result.update(await _sampled_summary(task, grader, problems, drawn))
     finally:
+        grader.close()
         await client.aclose()
-    grades = [g for g, _ in results]
-    return {
+    return result
+
+
+def _summary(judged: list, task_cfg: TaskConfig) -> dict:
+    """Accuracy (pass@1 of greedy answers) and, with a reward by reference, its mean over the answers
+    it could score (and how many it could not)."""
+    grades = [j.grade for j in judged]
+    out = {
         "accuracy": grades.count("correct") / len(grades),
         "unparseable": grades.count("unparseable") / len(grades),
-        "problems": len(grades),
-        "weight_version": max(v for _, v in results),
     }
+    if task_cfg.reward is not None:
+        scores = [j.score for j in judged if j.error is None]
+        out["reward_mean"] = sum(scores) / len(scores) if scores else None
+        out["reward_failed"] = len(judged) - len(scores)
+    return out
+
+
+async def _sampled_summary(task, grader: Grader, problems: list, drawn: list[list[str]]) -> dict:
+    """pass@k (any of k samples correct) and, where the task names its final answer, maj@k (the most
+    frequent final answer correct); the samples' mean reward with a reward by reference."""
+    k = len(drawn[0])
+    judged = await asyncio.gather(
+        *(
+            asyncio.gather(*(grader.judge_async(p, text) for text in texts))
+            for p, texts in zip(problems, drawn, strict=True)
+        )
+    )
+    out = {
+        "samples": k,
+        f"pass@{k}": sum(any(j.grade == "correct" for j in js) for js in judged) / len(problems),
+    }
+    final_answer = getattr(task, "final_answer", None)
+    if final_answer is not None:
+        wins = 0
+        for texts, js in zip(drawn, judged, strict=True):
+            votes = Counter(a for a in map(final_answer, texts) if a is not None)
+            if votes:
+                top = votes.most_common(1)[0][0]
+                wins += next(
+                    j.grade == "correct" for t, j in zip(texts, js, strict=True) if final_answer(t) == top
+                )
+        out[f"maj@{k}"] = wins / len(problems)
+    if grader.reward is not None:
+        scores = [j.score for js in judged for j in js if j.error is None]
+        out[f"reward_mean@{k}"] = sum(scores) / len(scores) if scores else None
+    return out
 
 
 def evaluate_server(
@@ -82,10 +149,16 @@ def evaluate_server(
     token: str | None = None,
     model_path: str | None = None,
     max_model_len: int = 4096,
+    samples: int = 1,
+    seed: int = 0,
 ) -> dict:
     """{'accuracy', 'unparseable', 'problems', 'weight_version'} of greedy answers on the test split
-    (greedy episodes for a multi-turn task, which needs `model_path` for its tokenizer)."""
-    return asyncio.run(_evaluate(url, task_cfg, num_problems, max_tokens, token, model_path, max_model_len))
+    (greedy episodes for a multi-turn task, which needs `model_path` for its tokenizer), with
+    'reward_mean' for a reward by reference, and with samples > 1 also pass@k, maj@k (tasks that name
+    their final answer) and the samples' mean reward."""
+    return asyncio.run(
+        _evaluate(url, task_cfg, num_problems, max_tokens, token, model_path, max_model_len, samples, seed)
+    )
 
 
 class RunEvaluations:
@@ -128,8 +201,9 @@ class RunEvaluations:
         result = self.measure()
         self.results[when] = result
         self.record(result, when)
+        reward = f", mean reward {result['reward_mean']:.4g}" if result.get("reward_mean") is not None else ""
         print(
-            f"held-out accuracy {when} RL: {result['accuracy']:.1%} (weight version {result['weight_version']})",
+            f"held-out accuracy {when} RL: {result['accuracy']:.1%}{reward} (weight version {result['weight_version']})",
             flush=True,
         )
 

@@ -3,7 +3,9 @@
     cfg = compose(["inference=vllm", "trainer.learning_rate=3e-4", "actor.num_actors=2"])
 
 Rules: pipeline_rl/conf/base.yaml holds the defaults and a `defaults:` map of groups; `group=name` picks
-pipeline_rl/conf/<group>/<name>.yaml; groups are merged into the base in the order of that map; then every
+pipeline_rl/conf/<group>/<name>.yaml; groups are merged into the base in the order of that map;
+`recipe=name` (pipeline_rl/conf/recipe/<name>.yaml, or a YAML file of your own) then sets its values and
+may choose groups in a `defaults:` map of its own (a group named on the command line still wins); then every
 `dotted.key=value` override is applied (value parsed as YAML: numbers, booleans, lists, null; a field
 that takes strings only gets the text as typed, so `trainer.mixed_precision=no` is "no", not False). The
 result is validated once into RunConfig; every error names the key, the allowed values and the fix.
@@ -20,8 +22,10 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from inference_shim.engine_check import gpu_visible
 from pipeline_rl.config import RunConfig
 from pipeline_rl.paths import CONF_DIR
+from pipeline_rl.tasks.config import RENAMED as RENAMED_TASK_KEYS
 
 
 class ConfigError(ValueError):
@@ -84,6 +88,10 @@ def _only_strings(annotation: Any) -> bool:
 def _set_dotted(data: dict, key: str, raw: str) -> None:
     parts = key.split(".")
     known = _schema_keys(RunConfig, parts[:-1])
+    if parts[0] == "task" and len(parts) == 2 and parts[1] in RENAMED_TASK_KEYS:
+        raise ConfigError(
+            f"task.{parts[1]} is now task.{RENAMED_TASK_KEYS[parts[1]]} (each task validates its own options)"
+        )
     if known is not None and parts[-1] not in known:
         hint = difflib.get_close_matches(parts[-1], known, n=1)
         where = ".".join(parts[:-1]) or "the top level"
@@ -108,11 +116,19 @@ def _set_dotted(data: dict, key: str, raw: str) -> None:
     node[parts[-1]] = value
 
 
+MISSING_HINTS = {
+    "model_path": "required: model_path=/path/to/checkpoint (a Hugging Face model directory), or a recipe that "
+    "names one (recipe=demo for the CPU demo's model, which `make demo` builds)",
+}
+
+
 def _format_validation(error: ValidationError) -> str:
     lines = []
     for err in error.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(config)"
-        message = err["msg"]
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing" and key in MISSING_HINTS:
+            message = MISSING_HINTS[key]
         if err["type"] == "extra_forbidden":
             parent = [str(p) for p in err["loc"][:-1]]
             known = _schema_keys(RunConfig, parent) or []
@@ -127,11 +143,36 @@ def _format_validation(error: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+def recipe_path(name: str, conf_dir: Path = CONF_DIR) -> Path:
+    """A recipe by name (pipeline_rl/conf/recipe/NAME.yaml) or a YAML file of the user's own."""
+    shipped = conf_dir / "recipe" / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    own = Path(name).expanduser()
+    if own.suffix in (".yaml", ".yml") and own.is_file():
+        return own
+    raise ConfigError(
+        f"recipe={name!r} is neither a shipped recipe ({', '.join(group_options('recipe', conf_dir))}) nor a "
+        "YAML file: pass one of those names, or the path of a recipe file of your own"
+    )
+
+
+def _check_group(group: str, choice: str, conf_dir: Path) -> None:
+    if choice not in group_options(group, conf_dir):
+        raise ConfigError(
+            f"{group}={choice!r} is not a known {group}; allowed values: {', '.join(group_options(group, conf_dir))}"
+        )
+
+
 def compose_dict(overrides: list[str], conf_dir: Path = CONF_DIR) -> dict[str, Any]:
-    """The merged (not yet validated) configuration."""
+    """The merged (not yet validated) configuration: base.yaml, then its groups, then the recipe's values,
+    then the dotted overrides. Group choices come from base.yaml, then the recipe's `defaults:`, then the
+    command line (a group named on the command line wins over the recipe's choice)."""
     base = _load_yaml(conf_dir / "base.yaml")
     defaults: dict[str, str] = dict(base.pop("defaults", {}) or {})
     dotted: list[tuple[str, str]] = []
+    chosen: dict[str, str] = {}
+    recipe_name = None
     for override in overrides:
         if "=" not in override:
             raise ConfigError(
@@ -139,14 +180,27 @@ def compose_dict(overrides: list[str], conf_dir: Path = CONF_DIR) -> dict[str, A
             )
         key, value = override.split("=", 1)
         key = key.strip().lstrip("+")
-        if key in defaults:
-            if value not in group_options(key, conf_dir):
-                raise ConfigError(
-                    f"{key}={value!r} is not a known {key}; allowed values: {', '.join(group_options(key, conf_dir))}"
-                )
-            defaults[key] = value
+        if key == "recipe":
+            recipe_name = value
+        elif key in defaults:
+            if not (key == "platform" and value == "auto"):
+                _check_group(key, value, conf_dir)
+            chosen[key] = value
         else:
             dotted.append((key, value))
+    recipe: dict[str, Any] = {}
+    if recipe_name:
+        recipe = _load_yaml(recipe_path(recipe_name, conf_dir))
+        for group, choice in (recipe.pop("defaults", {}) or {}).items():
+            if group not in defaults:
+                raise ConfigError(
+                    f"recipe {recipe_name}: `defaults` names {group!r}, not a group ({', '.join(defaults)})"
+                )
+            _check_group(group, choice, conf_dir)
+            defaults[group] = choice
+    defaults.update(chosen)
+    if defaults.get("platform") == "auto":
+        defaults["platform"] = "gpu" if gpu_visible() else "cpu"
     merged: dict[str, Any] = {}
     for group, choice in defaults.items():
         path = conf_dir / group / f"{choice}.yaml"
@@ -156,10 +210,29 @@ def compose_dict(overrides: list[str], conf_dir: Path = CONF_DIR) -> dict[str, A
             )
         _deep_merge(merged, _load_yaml(path))
     merged = _deep_merge(base, merged)
+    _deep_merge(merged, recipe)
     for key, value in dotted:
         _set_dotted(merged, key, value)
     merged["_groups"] = defaults
+    if recipe_name:
+        merged["_groups"]["recipe"] = recipe_name
     return merged
+
+
+def override_dict(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A saved configuration (a run's config.json) with dotted key=value overrides applied; groups and
+    recipes, which build a configuration from the base, are refused here."""
+    data = copy.deepcopy(data)
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        key = key.strip().lstrip("+")
+        if not sep or "." not in key and key not in RunConfig.model_fields:
+            raise ConfigError(
+                f"override '{override}': only section.key=value applies to a saved run's configuration (groups "
+                "and recipes compose a new one)"
+            )
+        _set_dotted(data, key, value)
+    return data
 
 
 def compose(overrides: list[str], conf_dir: Path = CONF_DIR) -> RunConfig:

@@ -45,6 +45,7 @@ from pipeline_rl.launch.plan import (  # noqa: F401 - re-exported: the launcher'
     single_host_env,
     visible_gpus,
 )
+from pipeline_rl.launch.preflight import with_model_length
 from pipeline_rl.launch.runner import Launcher
 from pipeline_rl.streams.config import redact_url
 
@@ -60,11 +61,25 @@ def _warn_public_secrets(overrides: list[str]) -> None:
             )
 
 
-def _check_model(cfg, share: NodeShare) -> None:
-    if not Path(cfg.model_path).exists() and (share.servers or share.trainer):
-        sys.exit(
-            f"error: model_path {cfg.model_path!r} does not exist (run `make demo` once, or point model_path at a HF model dir)"
-        )
+def _preflight(cfg, shares: list[NodeShare], dry_run: bool):
+    """Exit, listing every problem, when a node's share of the run cannot start (launch/preflight.py);
+    a dry run prints them and plans anyway (a plan may be made away from the checkpoint and the data).
+    Returns the config with the checkpoint's length filled in where it can be read."""
+    from pipeline_rl.launch.preflight import run_problems
+
+    problems = [p for share in shares for p in run_problems(cfg, share)]
+    problems = list(dict.fromkeys(problems))  # one line for what several nodes share
+    if problems and not dry_run:
+        sys.exit("error: this run cannot start:\n  - " + "\n  - ".join(problems))
+    for problem in problems:
+        print(f"warning: a launch would refuse to start: {problem}", file=sys.stderr)
+    try:
+        return with_model_length(cfg)
+    except ConfigError as e:
+        if not dry_run:
+            raise
+        print(f"warning: {e}", file=sys.stderr)
+        return cfg
 
 
 def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -> None:
@@ -77,6 +92,7 @@ def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -
         cfg = cluster_config(spec, args.overrides, dict(os.environ), need_secrets=not args.dry_run)
         names = [args.node] if args.node and not args.dry_run else [h.name for h in spec.hosts]
         shares = {name: node_share(spec, cfg, name).restrict(roles) for name in names}
+        cfg = _preflight(cfg, list(shares.values()), args.dry_run)
         plans = {name: plan(cfg, Path(cfg.run_dir) / "nodes" / name, share) for name, share in shares.items()}
     except ConfigError as e:
         sys.exit(f"error: {e}")
@@ -88,7 +104,6 @@ def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -
             print_plan(cfg, plans[name], Path(cfg.run_dir) / "nodes" / name, None, share)
         return
     share = shares[args.node]
-    _check_model(cfg, share)
     node_dir = Path(cfg.run_dir) / "nodes" / args.node
     node_dir.mkdir(parents=True, exist_ok=True)
     # The Redis password reaches children inside redis_url (secrets file), not through the environment.
@@ -119,15 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --node needs --cluster FILE")
     try:
         cfg = compose(args.overrides)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
-    if not cfg.trainer.resume and cfg.run_dir == "runs/latest":
-        cfg = cfg.model_copy(update={"run_dir": f"runs/{time.strftime('%Y%m%d-%H%M%S')}"})
-    run_dir = Path(cfg.run_dir).resolve()
-    cfg = resolve(cfg, run_dir, roles)
-    share = local_share(cfg, roles)
-    _check_model(cfg, share)
-    try:
+        if not cfg.trainer.resume and cfg.run_dir == "runs/latest":
+            cfg = cfg.model_copy(update={"run_dir": f"runs/{time.strftime('%Y%m%d-%H%M%S')}"})
+        run_dir = Path(cfg.run_dir).resolve()
+        cfg = resolve(_preflight(cfg, [local_share(cfg, roles)], args.dry_run), run_dir, roles)
+        share = local_share(cfg, roles)
         specs = plan(cfg, run_dir, share)  # GPU placement errors surface here, before anything starts
     except ConfigError as e:
         sys.exit(f"error: {e}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from inference_shim.cli import cpu_engine_env
 from inference_shim.procs import free_port, serve_argv
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError
@@ -189,6 +190,9 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
     if not isinstance(share, NodeShare):
         share = local_share(cfg, share)
     config_path = str(run_dir / "config.json")
+    # A CPU run's processes get the CPU engine environment (explicit settings of the launcher's win); a
+    # GPU run's get nothing of it (its KV cache is GPU memory, and it may fetch from the hub).
+    platform_env = cpu_engine_env() if cfg.platform == "cpu" else {}
     placement = place_cores(cfg, share)
     on_gpu = cfg.inference.weight_transport == "nccl"
     gpu_map = place_gpus(cfg, share, visible_gpus(cfg, share)) if on_gpu else {}
@@ -197,14 +201,21 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         url = cfg.inference.urls[i]
         host, port = urlsplit(url).hostname, urlsplit(url).port
         cores = placement.get(f"server{i}")
-        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} if cores else {}
+        env = (
+            {**platform_env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+            if cores
+            else {**platform_env}
+        )
         env.update(share.env)
         gpus = gpu_map.get(f"server{i}")
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        engine = ["--dtype", cfg.inference.dtype, "--max-model-len", str(cfg.inference.max_model_len)]
-        engine += ["--max-num-seqs", str(cfg.inference.max_num_seqs), "--seed", str(cfg.seed + i)]
-        engine += ["--kv-after-update", cfg.inference.kv_after_update]
+        engine = ["--dtype", cfg.inference.dtype, "--max-num-seqs", str(cfg.inference.max_num_seqs)]
+        if cfg.inference.max_model_len is not None:  # unset: the server reads the checkpoint's own
+            engine += ["--max-model-len", str(cfg.inference.max_model_len)]
+        engine += ["--seed", str(cfg.seed + i), "--kv-after-update", cfg.inference.kv_after_update]
+        if on_gpu and cfg.inference.backend == "vllm":
+            engine += ["--gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)]
         # The server listens on exactly the address of its URL, never on every interface.
         argv = serve_argv(cfg.model_path, port, host=host, backend=cfg.inference.backend, extra=engine)
         # The token travels in the environment, not in argv, where any user could read it with ps.
@@ -229,7 +240,7 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         )
     if share.trainer is not None:
         cores = placement.get("trainer")
-        env = {"OMP_NUM_THREADS": str(len(cores))} if cores else {}
+        env = {**platform_env, "OMP_NUM_THREADS": str(len(cores))} if cores else {**platform_env}
         env.update(share.env)
         gpus = gpu_map.get("trainer")
         if gpus:
@@ -243,7 +254,7 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
     ):
         for i in indices:
             argv = [PY, "-m", "pipeline_rl.cli", command, "--config", config_path, "--index", str(i)]
-            env = {"OMP_NUM_THREADS": "1", **share.env}
+            env = {**platform_env, "OMP_NUM_THREADS": "1", **share.env}
             specs.append(ProcessSpec(f"{role[:-1]}{i}", role, argv, env))
     return specs
 
@@ -292,6 +303,20 @@ def print_plan(
     if share.cluster and share.trainer is not None:
         r = share.trainer
         print(f"trainer: machine rank {r.machine_rank} of {r.num_machines}, rendezvous {r.main_ip}:{r.port}")
+    t, i = cfg.trainer, cfg.inference
+    memory = [f"{t.strategy}, {t.num_processes} rank(s)", f"mixed precision {t.mixed_precision}"]
+    memory += ["activation checkpointing" if t.gradient_checkpointing else "no activation checkpointing"]
+    memory += [f"micro-batches of {cfg.preprocess.seq_length} tokens"]
+    length = i.max_model_len if i.max_model_len is not None else "the checkpoint's"
+    engine = [
+        f"{i.num_servers} server(s)",
+        f"max_model_len {length}",
+        f"max_num_seqs {i.max_num_seqs}",
+        i.dtype,
+    ]
+    if cfg.platform == "gpu" and i.backend == "vllm":
+        engine += [f"gpu_memory_utilization {i.gpu_memory_utilization}"]
+    print(f"memory: trainer {', '.join(memory)}; engine {', '.join(engine)}")
     print(f"{'process':<16}{'role':<15}{'cores':<10} {'gpus':<9}{'port':<8}command")
     if share.redis is not None:
         where = redact_url(cfg.streams.redis_url) if cfg.streams.redis_url else "private redis-server"

@@ -36,7 +36,11 @@ class PreprocessConfig(BaseModel):
     drop_all_equal_groups: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (zero signal)."
     )
-    seq_length: int = Field(4096, gt=1, description="Max tokens per packed micro-batch (and per sample).")
+    seq_length: int = Field(
+        4096,
+        gt=1,
+        description="Max tokens per packed micro-batch (and per sample); in a run left unset: inference.max_model_len.",
+    )
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="Sample longer than seq_length: keep its first seq_length tokens, or drop it."
     )

@@ -21,8 +21,14 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline_rl.tasks.base import Grade, Problem, Split, generated_problems
+
+if TYPE_CHECKING:
+    from pipeline_rl.tasks.config import TaskConfig
 
 ARITH_OPERATORS = "+-*"
 ARITH_PROMPT = "What is {expr}? Reply with answer: <integer>"
@@ -52,20 +58,20 @@ def problem_space_size(num_operands: int, max_operand: int, operators: str) -> i
 
 
 def check_difficulty(num_operands: int, max_operand: int, operators: str, test_size: int) -> None:
-    """Raise ValueError, naming the TaskConfig fields to change, for an impossible setting."""
+    """Raise ValueError, naming the config fields to change, for an impossible setting."""
     if num_operands < 2 or max_operand < 1:
         raise ValueError(
-            f"task.arith_num_operands={num_operands} must be >= 2 and task.arith_max_operand={max_operand} >= 1"
+            f"task.options.num_operands={num_operands} must be >= 2 and task.options.max_operand={max_operand} >= 1"
         )
     if not operators or set(operators) - set(ARITH_OPERATORS) or len(set(operators)) != len(operators):
         raise ValueError(
-            f"task.arith_operators={operators!r}: use distinct characters from {ARITH_OPERATORS!r}"
+            f"task.options.operators={operators!r}: use distinct characters from {ARITH_OPERATORS!r}"
         )
     space = problem_space_size(num_operands, max_operand, operators)
     if 2 * test_size > space:  # the test set must leave most problems to train on
         raise ValueError(
             f"task.test_size={test_size} is more than half of the {space} distinct arith problems: "
-            "lower task.test_size or raise task.arith_num_operands / task.arith_max_operand"
+            "lower task.test_size or raise task.options.num_operands / task.options.max_operand"
         )
 
 
@@ -129,3 +135,22 @@ class ArithTask:
         if value is None:
             return "unparseable"
         return "correct" if value == int(problem.answer) else "wrong"
+
+    def final_answer(self, completion_text: str) -> str | None:
+        """The answer a completion gives (the integer after its last `answer:`), for majority votes."""
+        value = parse_answer(completion_text)
+        return None if value is None else str(value)
+
+
+class ArithOptions(BaseModel):
+    """`task=arith`'s options (task.options.*)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_operands: int = Field(default=2, ge=2, le=8, description="Operands per expression.")
+    max_operand: int = Field(default=99, ge=1, description="Operands are drawn from 0..this.")
+    operators: str = Field(default="+-", description="Operators to draw from, a subset of '+-*'.")
+
+
+def make_task(options: ArithOptions, config: TaskConfig) -> ArithTask:
+    return ArithTask(options.num_operands, options.max_operand, options.operators, config.test_size)

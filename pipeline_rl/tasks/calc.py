@@ -22,11 +22,17 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline_rl.tasks import calculator
 from pipeline_rl.tasks.arith import ArithTask, parse_answer
 from pipeline_rl.tasks.base import Grade, Problem, Split
 from pipeline_rl.tasks.sandbox import ToolSpec, run_tool
+
+if TYPE_CHECKING:
+    from pipeline_rl.tasks.config import TaskConfig
 
 TOOL_NAME = "calc"
 NUDGE = "Reply with answer: <integer>, or call calc."
@@ -110,3 +116,15 @@ class CalcEnvironment:
         if not result.ok:
             self.faults.append("tool_error")
         return result.output
+
+
+class CalcOptions(BaseModel):
+    """`task=calc`'s options (task.options.*)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_operand: int = Field(default=999, ge=10, description="Factors are drawn from 0..this.")
+
+
+def make_task(options: CalcOptions, config: TaskConfig) -> CalcTask:
+    return CalcTask(options.max_operand, config.test_size, config.tool_timeout_s)

@@ -70,6 +70,12 @@ def _compact(text: str) -> str:
     return "".join(text.split())
 
 
+def final_boxed(text: str) -> str | None:
+    """The answer a completion boxes last, whitespace removed (what a majority vote compares), or None."""
+    content = last_boxed(text)
+    return _compact(content) if content and content.strip() else None
+
+
 def grade_boxed_answer(gold: str, completion_text: str) -> Grade:
     """Grade the last `\\boxed{}` of a completion against a gold answer (LaTeX or plain)."""
     content = last_boxed(completion_text)

@@ -28,9 +28,15 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline_rl.tasks.arith import parse_answer
 from pipeline_rl.tasks.base import Grade, Problem, Split, generated_problems
+
+if TYPE_CHECKING:
+    from pipeline_rl.tasks.config import TaskConfig
 
 REMAINDER_PROMPT = (
     "Subtract {divisor} from {number} until less than {divisor} is left. Reply with answer: <integer>"
@@ -56,9 +62,9 @@ class RemainderTask:
 
     def __init__(self, max_steps: int = 30, max_divisor: int = 9, test_size: int = 200):
         if max_steps < 1:
-            raise ValueError(f"task.remainder_max_steps={max_steps} must be >= 1")
+            raise ValueError(f"task.options.max_steps={max_steps} must be >= 1")
         if max_divisor < MIN_DIVISOR:
-            raise ValueError(f"task.remainder_max_divisor={max_divisor} must be >= {MIN_DIVISOR}")
+            raise ValueError(f"task.options.max_divisor={max_divisor} must be >= {MIN_DIVISOR}")
         self.max_steps, self.max_divisor = max_steps, max_divisor
         self._test = self._make_test_set(test_size)
 
@@ -79,7 +85,7 @@ class RemainderTask:
                 return list(seen.items())
         raise ValueError(
             f"task.test_size={size}: only {len(seen)} distinct remainder problems were drawn; lower it or "
-            "raise task.remainder_max_steps / task.remainder_max_divisor"
+            "raise task.options.max_steps / task.options.max_divisor"
         )
 
     def _problem(self, index: int, expr: str, value: int, split: Split) -> Problem:
@@ -108,8 +114,26 @@ class RemainderTask:
             return "unparseable"
         return "correct" if value == int(problem.answer) else "wrong"
 
+    def final_answer(self, completion_text: str) -> str | None:
+        """The answer a completion gives (the integer after its last `answer:`), for majority votes."""
+        value = parse_answer(completion_text)
+        return None if value is None else str(value)
+
 
 def operands(expr: str) -> tuple[int, int]:
     """(number, divisor) of a problem's `expr`, e.g. '23 mod 7' -> (23, 7)."""
     number, divisor = expr.split(" mod ")
     return int(number), int(divisor)
+
+
+class RemainderOptions(BaseModel):
+    """`task=remainder`'s options (task.options.*)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_steps: int = Field(default=30, ge=1, description="Most subtractions (answer lines, ~9 tokens each).")
+    max_divisor: int = Field(default=9, ge=MIN_DIVISOR, description="Divisors are drawn from 2..this.")
+
+
+def make_task(options: RemainderOptions, config: TaskConfig) -> RemainderTask:
+    return RemainderTask(options.max_steps, options.max_divisor, config.test_size)

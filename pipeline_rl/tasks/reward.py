@@ -3,7 +3,8 @@
     cfg = RewardConfig(overlong_buffer=64)
     reward = compute_reward("correct", finish_reason="stop", completion_tokens=480, max_tokens=512, cfg=cfg)
 
-reward = table[grade] - soft overlong penalty - truncation penalty, where
+reward = table[grade] - soft overlong penalty - truncation penalty (with a reward by reference,
+task.reward, its score takes the table's place), where
 
 - table: `correct` 1.0, `wrong` 0.0, `unparseable` -0.5 by default. Unparseable sits below wrong so
   that a group in which every answer is wrong still rewards the samples that answered in the required
@@ -62,10 +63,19 @@ def overlong_penalty(completion_tokens: int, max_tokens: int, cfg: RewardConfig)
 
 
 def compute_reward(
-    grade: Grade, finish_reason: str, completion_tokens: int, max_tokens: int, cfg: RewardConfig
+    grade: Grade,
+    finish_reason: str,
+    completion_tokens: int,
+    max_tokens: int,
+    cfg: RewardConfig,
+    score: float | None = None,
 ) -> float:
-    """Reward of one completion; `max_tokens` is the completion-token limit it was sampled with."""
-    reward = {"correct": cfg.correct, "wrong": cfg.wrong, "unparseable": cfg.unparseable}[grade]
+    """Reward of one completion; `max_tokens` is the completion-token limit it was sampled with. `score`,
+    a user reward's value (task.reward), replaces the grade table; the length shaping applies to both."""
+    if score is not None:
+        reward = score
+    else:
+        reward = {"correct": cfg.correct, "wrong": cfg.wrong, "unparseable": cfg.unparseable}[grade]
     reward -= overlong_penalty(completion_tokens, max_tokens, cfg)
     if finish_reason == "length":
         reward -= cfg.length_penalty

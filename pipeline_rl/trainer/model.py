@@ -21,12 +21,18 @@ from pipeline_rl.config import TrainerConfig
 WeightSpec = tuple[str, list[int], torch.dtype]
 
 
-def load_hf_model(path: str | Path, device: torch.device) -> torch.nn.Module:
-    """The causal LM in float32 (the trainer's master weights), SDPA attention, in train mode."""
+def load_hf_model(
+    path: str | Path, device: torch.device, gradient_checkpointing: bool = False
+) -> torch.nn.Module:
+    """The causal LM in float32 (the trainer's master weights), SDPA attention, in train mode; with
+    gradient_checkpointing, each block's activations are recomputed in the backward pass (the
+    non-reentrant variant, which works under DDP, ZeRO and FSDP and with frozen inputs)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device).train()
 
 

@@ -30,7 +30,7 @@ def test_a_multi_turn_task_trains_through_the_launcher(tmp_path):
         f"model_path={model}",
         f"run_dir={run_dir}",
         "task.name=calc",
-        "task.calc_max_operand=99",
+        "task.options.max_operand=99",
         "task.episode_max_turns=3",
         "task.episode_token_budget=96",
         "trainer.max_steps=3",

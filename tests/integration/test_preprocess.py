@@ -21,7 +21,6 @@ import pytest
 from support.training import packages_by_batch, read_all
 
 from inference_shim.openai_protocol import VersionSpan
-from pipeline_rl import preprocess
 from pipeline_rl.config import RunConfig
 from pipeline_rl.ledger import ledger_dir, ledger_summary, read_records
 from pipeline_rl.messages import (
@@ -32,6 +31,7 @@ from pipeline_rl.messages import (
     StatsRecord,
     TrainingPackage,
 )
+from pipeline_rl.preprocess import main as preprocess
 from pipeline_rl.preprocess.main import GROUP, Preprocessor
 from pipeline_rl.preprocess.ops import is_padding
 from pipeline_rl.streams import (

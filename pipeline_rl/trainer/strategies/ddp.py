@@ -26,7 +26,7 @@ class DDPStrategy(Strategy):
     def __init__(self, cfg: RunConfig, comm: Comm, weights_dir: str | Path) -> None:
         super().__init__(cfg, comm)
         t = cfg.trainer
-        self.module = load_hf_model(weights_dir, comm.device)
+        self.module = load_hf_model(weights_dir, comm.device, t.gradient_checkpointing)
         # DDP broadcasts rank 0's weights at construction: every replica starts bit-identical.
         self.model = (
             DistributedDataParallel(

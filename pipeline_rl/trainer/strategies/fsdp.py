@@ -35,7 +35,7 @@ class FSDPStrategy(Strategy):
                 "config): transformers then loads weights on rank 0 only and the other ranks would train "
                 "garbage; set it to false in pipeline_rl/conf/accelerate/fsdp.yaml"
             )
-        module = load_hf_model(weights_dir, comm.device)
+        module = load_hf_model(weights_dir, comm.device, cfg.trainer.gradient_checkpointing)
         self.sharded = comm.distributed
         if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh

@@ -91,7 +91,7 @@ class DeepSpeedStrategy(Strategy):
         self.gather_is_collective = stage == 3
         # Reuses the default group init_comm created (DeepSpeed notices it is initialized).
         deepspeed.init_distributed(dist_backend="nccl" if comm.device.type == "cuda" else "gloo")
-        module = load_hf_model(weights_dir, comm.device)
+        module = load_hf_model(weights_dir, comm.device, cfg.trainer.gradient_checkpointing)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,
             model_parameters=module.parameters(),

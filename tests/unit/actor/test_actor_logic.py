@@ -187,6 +187,7 @@ def _config(redis_url: str, urls: list[str], **actor) -> RunConfig:
         {
             # A scratch run directory: the actor appends its ledger there (never into the checkout).
             "run_dir": tempfile.mkdtemp(prefix="actor-test-run-"),
+            "model_path": "/nonexistent/model",  # the actor reads no checkpoint (single-turn tasks)
             "streams": {"backend": "redis", "redis_url": redis_url, "run_name": f"a{uuid.uuid4().hex[:10]}"},
             "actor": actor,
             "trainer": trainer,

@@ -19,6 +19,7 @@ def test_a_cancelled_slow_stats_write_cannot_land_after_the_final_one(tmp_path) 
     cfg = RunConfig.model_validate(
         {
             "run_dir": str(tmp_path / "run"),
+            "model_path": "/nonexistent/model",
             "streams": {"backend": "files", "files_dir": str(tmp_path / "streams")},
             "inference": {"urls": ["http://127.0.0.1:9"]},  # never contacted here
         }

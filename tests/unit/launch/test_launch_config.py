@@ -16,10 +16,17 @@ from pipeline_rl.launch.compose import ConfigError
 REPO = Path(__file__).resolve().parents[3]
 
 
+def config(*overrides: str):
+    """A composed config with a (nonexistent) model: planning reads no checkpoint."""
+    from pipeline_rl.launch.compose import compose
+
+    return compose(["model_path=/nonexistent/model", *overrides])
+
+
 def test_bad_config_value_fails_fast_with_allowed_values():
     for override, words in [
         ("trainer.strategy=zzz", ["trainer.strategy", "'ddp'", "'deepspeed_zero3'"]),
-        ("trainer=nope", ["allowed values", "cpu_ddp", "deepspeed_zero2"]),
+        ("trainer=nope", ["allowed values", "ddp", "deepspeed_zero2"]),
         ("actor.max_lagg=3", ["unknown key", "actor.max_lag"]),
         ("actor.attempts=0", ["actor.attempts", "greater than or equal to 1"]),
     ]:
@@ -50,10 +57,9 @@ def test_dry_run_prints_the_placement_map(launch_model, tmp_path):
 
 
 def test_switching_engine_changes_only_the_backend():
-    from pipeline_rl.launch.compose import compose
 
-    vllm = compose(["platform=gpu", "inference=vllm"]).model_dump()
-    sglang = compose(["platform=gpu", "inference=sglang"]).model_dump()
+    vllm = config("platform=gpu", "inference=vllm").model_dump()
+    sglang = config("platform=gpu", "inference=sglang").model_dump()
     assert vllm["inference"].pop("backend") == "vllm" and sglang["inference"].pop("backend") == "sglang"
     assert vllm == sglang
 
@@ -61,41 +67,38 @@ def test_switching_engine_changes_only_the_backend():
 def test_every_task_file_is_a_valid_choice():
     """Each pipeline_rl/conf/task/ file composes into a validated RunConfig for the task it is named after, so
     `task=name` never fails at a user's launch for a file the repo ships (one naming an unknown task did)."""
-    from pipeline_rl.launch.compose import compose, group_options
+    from pipeline_rl.launch.compose import group_options
 
     options = group_options("task")
     assert {"arith", "remainder", "calc"} <= set(options), options
     for option in options:
-        assert compose([f"task={option}"]).task.name == option, f"pipeline_rl/conf/task/{option}.yaml"
+        assert config(f"task={option}").task.name == option, f"pipeline_rl/conf/task/{option}.yaml"
 
 
 def test_the_long_task_groups_match_their_demo_recipes():
     """`task=calc` / `task=remainder` give the task and lengths `pipeline-rl demo --recipe ...` trains with."""
     from pipeline_rl.demo.main import RECIPES
-    from pipeline_rl.launch.compose import compose
 
     for name in ("calc", "remainder"):
-        group, recipe = compose([f"task={name}"]), compose(RECIPES[name].overrides)
+        group, recipe = config(f"task={name}"), config(*RECIPES[name].overrides)
         assert group.task == recipe.task, name
         lengths = lambda c: (c.actor.max_tokens, c.inference.max_model_len, c.eval.max_tokens)  # noqa: E731
         assert lengths(group) == lengths(recipe), name
 
 
 def test_sync_mode_is_the_same_run_without_overlap(tmp_path):
-    from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.plan import resolve
 
-    cfg = resolve(compose(["mode=sync", "actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
+    cfg = resolve(config("mode=sync", "actor.attempts=4", "trainer.batch_size=16"), tmp_path, {"actors"})
     assert cfg.actor.max_lag == 0 and cfg.actor.max_buffered_groups == 4
-    pipelined = resolve(compose(["actor.attempts=4", "trainer.batch_size=16"]), tmp_path, {"actors"})
-    assert pipelined.actor.max_lag == compose([]).actor.max_lag
+    pipelined = resolve(config("actor.attempts=4", "trainer.batch_size=16"), tmp_path, {"actors"})
+    assert pipelined.actor.max_lag == config().actor.max_lag
 
 
 def test_servers_run_the_shim_with_the_token_in_their_environment(tmp_path):
-    from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.plan import plan, resolve
 
-    cfg = resolve(compose(["inference.num_servers=2"]), tmp_path, {"servers"})
+    cfg = resolve(config("inference.num_servers=2"), tmp_path, {"servers"})
     specs = plan(cfg, tmp_path, {"servers"})
     assert [s.url for s in specs] == cfg.inference.urls
     for spec in specs:
@@ -107,10 +110,8 @@ def test_servers_run_the_shim_with_the_token_in_their_environment(tmp_path):
 
 
 def _gpu_cfg(gpus: int, ranks: int, servers: int, *extra: str):
-    from pipeline_rl.launch.compose import compose
-
-    return compose(["platform=gpu", f"placement.num_gpus={gpus}", f"trainer.num_processes={ranks}",
-                    f"inference.num_servers={servers}", *extra])  # fmt: skip
+    return config("platform=gpu", f"placement.num_gpus={gpus}", f"trainer.num_processes={ranks}",
+                    f"inference.num_servers={servers}", *extra)  # fmt: skip
 
 
 def test_gpu_plan_never_puts_a_server_on_a_trainer_gpu_unless_asked():
@@ -144,13 +145,12 @@ def test_gpu_plan_never_puts_a_server_on_a_trainer_gpu_unless_asked():
 def test_cpu_plan_splits_cores_unless_colocated():
     from dataclasses import replace
 
-    from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.plan import local_share, place_cores
 
     roles = {"servers", "trainer", "preprocessors", "actors"}
 
     def place(*overrides):
-        cfg = compose(["inference.num_servers=2", *overrides])
+        cfg = config("inference.num_servers=2", *overrides)
         return place_cores(cfg, replace(local_share(cfg, roles), cores=[0, 1, 2, 3]))
 
     # By default the trainer and the engines' workers never share a core: pipelined, both work all the time.
@@ -159,7 +159,7 @@ def test_cpu_plan_splits_cores_unless_colocated():
     together = place("mode=sync", "placement.colocate=true")
     assert together == {"trainer": [0, 1, 2, 3], "server0": [0, 1, 2, 3], "server1": [0, 1, 2, 3]}
     servers_only = place_cores(
-        compose(["placement.colocate=true"]), replace(local_share(compose([]), {"servers"}), cores=[0, 1])
+        config("placement.colocate=true"), replace(local_share(config(), {"servers"}), cores=[0, 1])
     )
     assert servers_only == {"trainer": None, "server0": [0, 1]}
 
@@ -168,11 +168,10 @@ def _one_host_plan(tmp_path: Path, *overrides: str):
     """The resolved config and the processes (by name) of a one-host launch on cores 0 and 1."""
     from dataclasses import replace
 
-    from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.plan import local_share, plan, resolve
 
     roles = {"servers", "trainer", "preprocessors", "actors"}
-    cfg = resolve(compose(list(overrides)), tmp_path, roles)
+    cfg = resolve(config(*overrides), tmp_path, roles)
     specs = plan(cfg, tmp_path, replace(local_share(cfg, roles), cores=[0, 1]))
     return cfg, {s.name: s for s in specs}
 
@@ -211,14 +210,14 @@ def test_pipelined_servers_keep_in_flight_kv_after_an_update_and_sync_servers_re
 
 
 def test_pipelined_trainers_settle_pushes_in_the_background_and_sync_trainers_wait():
-    from pipeline_rl.launch.compose import ConfigError, compose
+    from pipeline_rl.launch.compose import ConfigError
 
-    assert compose([]).trainer.push_settle == "background"
-    assert compose(["mode=sync"]).trainer.push_settle == "wait"
-    assert compose(["trainer.push_settle=wait"]).trainer.push_settle == "wait"
+    assert config().trainer.push_settle == "background"
+    assert config("mode=sync").trainer.push_settle == "wait"
+    assert config("trainer.push_settle=wait").trainer.push_settle == "wait"
     # A sync round must generate with the new weights: its push cannot go on without them.
     with pytest.raises(ConfigError, match="push_settle=background needs mode=pipeline"):
-        compose(["mode=sync", "trainer.push_settle=background"])
+        config("mode=sync", "trainer.push_settle=background")
 
 
 def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(launch_model, tmp_path):
@@ -238,12 +237,11 @@ def test_dry_run_shows_the_gpu_map_and_config_errors_say_what_to_change(launch_m
 def test_secrets_stay_out_of_config_json_and_children_still_get_them(tmp_path):
     """config.json names the 0600 secrets file; load_run_config (what every child calls) merges it."""
     from pipeline_rl.config import load_run_config
-    from pipeline_rl.launch.compose import compose
     from pipeline_rl.launch.plan import local_share, resolve
     from pipeline_rl.launch.processes import ProcessSpec
     from pipeline_rl.launch.runner import Launcher
 
-    cfg = resolve(compose(["streams.redis_url=redis://:s3cret@127.0.0.1:7/0"]), tmp_path, {"servers"})
+    cfg = resolve(config("streams.redis_url=redis://:s3cret@127.0.0.1:7/0"), tmp_path, {"servers"})
     launcher = Launcher(cfg, tmp_path, local_share(cfg, {"servers"}))
     launcher.run_dir.mkdir(exist_ok=True)
     specs = launcher._prepare({"PATH": os.environ["PATH"]}, status_port=0)
@@ -266,6 +264,7 @@ def test_secrets_stay_out_of_config_json_and_children_still_get_them(tmp_path):
 
 CLUSTER = {
     "run_dir": "/tmp/prl-cluster-plan",
+    "overrides": ["model_path=/nonexistent/model"],
     "hosts": [
         {"name": "a", "address": "10.9.0.1", "redis_port": 6390, "trainer_ranks": 2, "preprocessors": 1},
         {"name": "b", "address": "10.9.0.2", "trainer_ranks": 2, "actors": 2},

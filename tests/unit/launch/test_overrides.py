@@ -26,13 +26,21 @@ def test_a_string_field_gets_the_text_that_yaml_would_read_as_a_bool_number_or_d
 
 
 def test_other_fields_still_get_yaml_values() -> None:
-    cfg = compose(["inference.token=null", "trainer.learning_rate=1e-5", "actor.max_lag=3", "eval.every_s=0"])
+    cfg = compose(
+        [
+            "model_path=m",
+            "inference.token=null",
+            "trainer.learning_rate=1e-5",
+            "actor.max_lag=3",
+            "eval.every_s=0",
+        ]
+    )
     assert cfg.inference.token is None
     assert cfg.trainer.learning_rate == 1e-5 and cfg.actor.max_lag == 3 and cfg.eval.every_s == 0
 
 
 def test_a_wrong_string_is_still_refused_with_the_allowed_values() -> None:
     with pytest.raises(ConfigError, match="'no' or 'bf16'"):
-        compose(["trainer.mixed_precision=maybe"])
+        compose(["model_path=m", "trainer.mixed_precision=maybe"])
     with pytest.raises(ConfigError, match="trainer.mixed_precision"):
-        compose(["trainer.mixed_precision=1"])
+        compose(["model_path=m", "trainer.mixed_precision=1"])

@@ -89,7 +89,11 @@ def test_no_usage_chunk_unless_asked():
 
 
 def _model_dir(tmp_path, **config):
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    """A checkpoint directory as far as the server's start-up checks read it (config, file names)."""
+    shape = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**shape, **config}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
     return tmp_path
 
 

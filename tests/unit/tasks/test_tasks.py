@@ -35,8 +35,8 @@ from pipeline_rl.tasks import (
 )
 from pipeline_rl.tasks.arith import evaluate
 from pipeline_rl.tasks.data import DatasetNotFoundError
+from pipeline_rl.tasks.dataset import DatasetTask
 from pipeline_rl.tasks.math_grading import last_boxed
-from pipeline_rl.tasks.math_tasks import MathTask
 from pipeline_rl.tasks.pool import WorkerError
 
 
@@ -164,23 +164,27 @@ def test_warmup_answer_styles_differ_only_in_what_the_grader_accepts():
 
 def test_task_config_validates_arith_difficulty():
     assert isinstance(make_task(TaskConfig()), ArithTask)
-    with pytest.raises(ValidationError, match="test_size"):
-        TaskConfig(arith_max_operand=3, test_size=100)
-    with pytest.raises(ValidationError, match="arith_operators"):
-        TaskConfig(arith_operators="+/")
+    with pytest.raises(ValueError, match="test_size"):  # the whole difficulty is checked as the task is built
+        make_task(TaskConfig(options={"max_operand": 3}, test_size=100))
+    with pytest.raises(ValueError, match="task.options.operators"):
+        make_task(TaskConfig(options={"operators": "+/"}))
     with pytest.raises(ValidationError):
         TaskConfig(nme="arith")  # typos are errors, not ignored
+    with pytest.raises(ValidationError, match="task.options.max_operandd: Extra inputs"):
+        TaskConfig(options={"max_operandd": 3})  # the task's own model checks its options
+    with pytest.raises(ValidationError, match="task.arith_max_operand is now task.options.max_operand"):
+        TaskConfig(arith_max_operand=3)
 
 
 # ---------------------------------------------------------------- math grading
 
 
 @pytest.fixture(scope="module")
-def math_task(tmp_path_factory) -> MathTask:
+def math_task(tmp_path_factory) -> DatasetTask:
     path = tmp_path_factory.mktemp("math") / "math.jsonl"
     rows = [{"problem": f"What is {i}/2?", "solution": f"$\\boxed{{\\frac{{{i}}}{{2}}}}$"} for i in range(3)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return MathTask(dataset_path=str(path), test_size=1)
+    return make_task(TaskConfig(name="math", dataset_path=str(path), test_size=1))
 
 
 @pytest.fixture(scope="module")
@@ -451,7 +455,7 @@ def test_remainder_worked_answers_subtract_down_and_lengths_have_a_long_tail():
 def test_remainder_splits_are_disjoint_and_the_config_says_what_to_fix():
     from pipeline_rl.tasks.remainder import RemainderTask
 
-    task = make_task(TaskConfig(name="remainder", remainder_max_steps=10, test_size=100))
+    task = make_task(TaskConfig(name="remainder", options={"max_steps": 10}, test_size=100))
     test = {p.metadata["expr"] for p in task.problems(0, 1, 0, "test")}
     assert len(test) == 100
     train = _take(task, 3000, shard_index=0, num_shards=1, seed=1, split="train")
@@ -462,7 +466,7 @@ def test_remainder_splits_are_disjoint_and_the_config_says_what_to_fix():
     with pytest.raises(ValueError, match="test_size=500"):
         RemainderTask(max_steps=1, max_divisor=3, test_size=500)  # only 5 distinct problems
     with pytest.raises(ValueError, match="greater than or equal to 2"):
-        TaskConfig(name="remainder", remainder_max_divisor=1)
+        TaskConfig(name="remainder", options={"max_divisor": 1})
 
 
 @pytest.mark.parametrize("name", ["arith", "calc", "remainder"])

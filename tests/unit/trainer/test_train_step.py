@@ -364,3 +364,31 @@ def test_samples_older_than_max_lag_are_dropped_at_train_time_with_exact_counts(
     assert result.metrics["grad_norm"] == pytest.approx(results[1].metrics["grad_norm"], rel=1e-4)
     for name in weights[0]:
         assert torch.allclose(weights[0][name], weights[1][name], atol=1e-6), name
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradient(tiny_model, tmp_path):
+    """trainer.gradient_checkpointing recomputes activations in the backward pass: the step's loss and
+    every gradient are those of the plain model (float32, so to rounding)."""
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    grads = []
+    for checkpointing in (False, True):
+        cfg = run_config(tmp_path, "redis://unused:1/0", tiny_model, gradient_checkpointing=checkpointing)
+        samples = [
+            s
+            for g in make_groups(tiny_model, 2, seed=3)
+            for s in group_to_training_samples(g, cfg.preprocess)
+        ]
+        [package] = build_packages(cfg, samples, "b")
+        comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
+        strategy = DDPStrategy(cfg, comm, tiny_model)
+        assert strategy.module.is_gradient_checkpointing == checkpointing
+        strategy.optimizer_step = lambda: 0.0  # keep the gradients: compare them, not the update
+        result = train_step(strategy, package, cfg.algo, step=1, temperature=1.0, comm=comm)
+        grads.append(
+            (result.metrics["loss"], {n: p.grad.clone() for n, p in strategy.module.named_parameters()})
+        )
+    (loss_plain, plain), (loss_ckpt, ckpt) = grads
+    assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
+    for name, g in plain.items():
+        assert torch.allclose(g, ckpt[name], atol=1e-6, rtol=1e-5), name
