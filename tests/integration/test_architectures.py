@@ -121,7 +121,9 @@ def test_every_architecture_trains_pushes_and_serves_its_final_weights(architect
     evals = [r for r in evals if r.get("type") == "eval"]
     assert [r["when"] for r in evals] == ["before", "after"], evals  # gsm8k's held-out split, math-verify
     # The mean of the rewards that scored; none at all when every greedy answer hit a failing case.
-    assert all(r["problems"] == 8 and (r["reward_mean"] is not None or r["reward_failed"] == 8) for r in evals)
+    assert all(
+        r["problems"] == 8 and (r["reward_mean"] is not None or r["reward_failed"] == 8) for r in evals
+    )
     assert architecture == "qwen3" or all(r["reward_mean"] is not None for r in evals), evals
     ledger = ledger_summary(run_dir)
     assert ledger.balanced and not ledger.duplicates_trained, "\n".join(ledger.lines())
