@@ -21,7 +21,7 @@ setup:
 # fails the target.
 TESTS := tests/unit tests/integration benchmarks/tests
 test: setup
-	$(PY) -m pytest -q --timeout=900 --durations=50 -n 2 --dist loadfile -m "not long and not serial" \
+	$(PY) -m pytest -q --timeout=900 --durations=50 -n 2 --dist loadfile --no-loadscope-reorder -m "not long and not serial" \
 		$(TESTS); parallel=$$?; \
 	$(PY) -m pytest -q --timeout=900 --durations=20 -m "serial and not long" $(TESTS); serial=$$?; \
 	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \

@@ -35,6 +35,7 @@ ORDER = (
     "lag",
     "engine-profile",
     "warmup-seeds",
+    "tracking-cost",
 )
 
 

@@ -15,6 +15,7 @@ go under artifacts/bench/.
     python -m benchmarks lag                  # pipelined learning per second and per sample vs max_lag, KV policy
     python -m benchmarks engine-profile       # py-spy of a vLLM-CPU server's processes at the demo's load
     python -m benchmarks warmup-seeds         # the demo's supervised warm-up across seeds, with and without decay
+    python -m benchmarks tracking-cost        # a run's samples/s with TensorBoard, W&B and MLflow on vs off
     python -m benchmarks demo                 # `make demo` in a fresh clone of this checkout, added to the recorded runs
     python -m benchmarks all                  # every one, in that order, sharing servers
     python -m benchmarks inflight streams     # several, sharing servers
@@ -113,6 +114,12 @@ def _demo(ctx: BenchContext) -> dict:
     return demo.run(ctx)
 
 
+def _tracking_cost(ctx: BenchContext) -> dict:
+    from benchmarks import tracking_cost
+
+    return tracking_cost.run(ctx)
+
+
 def _trainer_step(ctx: BenchContext) -> dict:
     from benchmarks import trainer_step
 
@@ -132,6 +139,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "lag": _lag,
     "engine-profile": _engine_profile,
     "warmup-seeds": _warmup_seeds,
+    "tracking-cost": _tracking_cost,
     "demo": _demo,
 }
 

@@ -148,6 +148,7 @@ def main() -> None:
             "bucket_bytes": args.bucket_bytes,
             "timeout_s": args.timeout,
             "tensors": metas,
+            "store_signing": "hmac-sha256",  # contract 2.0: we sign every store value (§ Store values)
         }
         r = http.post("/request_weight_update", json=request)
         decision = f"{GROUP}/update/{update_id}/decision"

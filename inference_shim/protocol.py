@@ -29,7 +29,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-CONTRACT_VERSION = "1.0"
+# docs/contract.md, "Changes", says what each version changed. 2.0: store values are signed (a 1.0
+# trainer's unsigned ones read as an abort), so a weight update must say it signs them (store_signing).
+CONTRACT_VERSION = "2.0"
+STORE_SIGNING = "hmac-sha256"
 
 # Bytes per element of every dtype the weight transfer accepts (the torch dtype name without "torch.").
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -142,6 +145,12 @@ class WeightUpdateRequest(_Strict):
     )
     fanout_chunk_bytes: int = Field(
         default=1 << 20, ge=4096, le=64 << 20, description="Chunk size of a chain relay."
+    )
+    store_signing: Literal["hmac-sha256"] = Field(
+        default=STORE_SIGNING,
+        description="How the trainer signs its store values (§ Store values). Since contract 2.0 a server "
+        "with a token refuses an update whose body does not carry it (400 unsigned_store): a 1.0 trainer, "
+        "which writes unsigned values, would otherwise hang in the broadcast.",
     )
 
 

@@ -44,6 +44,7 @@ import torch
 from inference_shim.client import ShimClient, ShimError, answers_http, leave_weight_group
 from inference_shim.faults import fault_point
 from inference_shim.protocol import (
+    CONTRACT_VERSION,
     DEFAULT_BUCKET_BYTES,
     InitProcessGroupRequest,
     TensorMeta,
@@ -152,6 +153,16 @@ class WeightSender:
     # ------------------------------------------------------------------ group
     def connect(self) -> None:
         caps = list(self._pool.map(lambda c: c.capabilities(), self.clients))
+        ours = CONTRACT_VERSION.split(".")[0]
+        other = [(u, c.contract_version) for u, c in zip(self.server_urls, caps, strict=True)]
+        other = [(u, v) for u, v in other if v.split(".")[0] != ours]
+        if other:
+            raise WeightPushError(
+                f"servers speak another major version of the contract than this trainer's {CONTRACT_VERSION}: "
+                + ", ".join(f"{u} {v}" for u, v in other)
+                + " (docs/contract.md, Changes): run the same pipeline-rl version on both sides",
+                [u for u, _ in other],
+            )
         dtypes = {d for c in caps for d in c.dtypes}
         if len(dtypes) != 1:
             raise WeightPushError(f"servers disagree on the weight dtype: {sorted(dtypes)}", self.server_urls)

@@ -19,6 +19,7 @@ from pipeline_rl.preprocess.ops import PreprocessConfig
 from pipeline_rl.streams import StreamsConfig
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.tasks import RewardConfig, TaskConfig
+from pipeline_rl.tracking.config import TrackingConfig
 
 
 class _Section(BaseModel):
@@ -287,6 +288,7 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     secrets_file: str | None = Field(
         None, description="Set by the launcher: the 0600 file holding the token and Redis password."
     )

@@ -10,6 +10,7 @@ Topics (see pipeline_rl/streams):
   trainer_events      WeightVersionEvent  trainer -> actors (lag control), launcher (progress)
                       PreprocessorProgress preprocessors -> actors (groups dropped count as consumed)
   stats               StatsRecord         everyone -> launcher / plots
+                      CompletionSample    actors -> launcher (the trackers' tables; tracking on only)
   dead_letter         DeadLetter          any consumer that met a message it could not decode
 """
 
@@ -154,6 +155,21 @@ class StatsRecord(BaseModel):
     time: float = Field(default_factory=time.time)
 
 
+class CompletionSample(BaseModel):
+    """A completion an actor shares for the trackers' tables of sampled completions (on the stats stream;
+    a few per tracking.samples_every_steps trainer steps, only when tracking is on)."""
+
+    kind: Literal["completion_sample"] = "completion_sample"
+    source: str = Field(description="e.g. 'actor0'.")
+    step: int = Field(description="The trainer's latest version when the group was written.")
+    prompt: str
+    completion: str
+    reward: float
+    grade: str | None = None
+    weight_versions: list[int] = Field(description="The weight versions that produced its tokens.")
+    time: float = Field(default_factory=time.time)
+
+
 class DeadLetter(BaseModel):
     kind: Literal["dead_letter"] = "dead_letter"
     topic: str
@@ -170,6 +186,7 @@ Message = Annotated[
     | WeightVersionEvent
     | PreprocessorProgress
     | StatsRecord
+    | CompletionSample
     | DeadLetter,
     Field(discriminator="kind"),
 ]

@@ -42,10 +42,10 @@ fi
 [ -x "$PY" ] || python3 -m venv "$VENV"
 # pip_install ARGS...: quiet, without the "Location ... is ignored" lines some machines' extra index
 # settings print for every package; pip's own exit status is kept (pipefail).
-# --no-compile: byte-compiling every installed module (torch, vLLM, transformers) is slow on few cores;
-# the modules a run imports are compiled on first import and cached.
+# pip byte-compiles what it installs, on purpose: where PYTHONDONTWRITEBYTECODE is set (CI machines)
+# nothing compiled at import time is kept, and every process would compile torch and vLLM anew.
 pip_install() {
-  "$PY" -m pip install --quiet --no-compile "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  "$PY" -m pip install --quiet "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 PIP=(pip_install)
 
@@ -60,7 +60,7 @@ else
   # `from transformers import Qwen2ForCausalLM`), torchaudio, torchcodec and ~1 GB of triton.
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
-"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" -e ".[dev,tracking]"  # the trackers too: the tests read their files back
 # DeepSpeed's source archive imports torch while building: build against the torch just installed.
 "${PIP[@]}" --no-build-isolation "deepspeed==0.19.8"
 if have_gpu; then

@@ -51,8 +51,9 @@ assert not _missing, f"SERIAL_FILES names files that do not exist (renamed?): {_
 
 
 # The longest files of `make test`'s first phase, longest first: xdist hands files out in collection
-# order, so starting with them keeps both workers busy to the end instead of leaving one idle while the
-# other runs a long file last (the slowest tests are listed by every `make test`, `--durations`).
+# order (with --no-loadscope-reorder, which the Makefile passes: by default xdist reorders files by their
+# number of tests), so starting with them keeps both workers busy to the end instead of leaving one idle
+# while the other runs a long file last (the slowest tests are listed by every `make test`, `--durations`).
 LONGEST_FIRST = (
     "test_architectures.py",
     "test_smoke.py",

@@ -106,7 +106,7 @@ def test_every_benchmark_runs_quick_and_writes_its_result(tmp_path: Path) -> Non
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-10:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-11:] == [
         "streams",
         "shim",
         "multihost",
@@ -116,6 +116,7 @@ def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> Non
         "lag",
         "engine-profile",
         "warmup-seeds",
+        "tracking-cost",
         "demo",
     ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"

@@ -62,6 +62,7 @@ from inference_shim.backends.join import JoinPhase, join_failure_detail, join_ph
 from inference_shim.faults import fault_point
 from inference_shim.protocol import (
     CONTRACT_VERSION,
+    STORE_SIGNING,
     Bucket,
     Capabilities,
     DebugState,
@@ -282,6 +283,16 @@ class Backend(abc.ABC):
         await self._leave_group(group)
 
     async def request_weight_update(self, req: WeightUpdateRequest) -> WeightUpdateAccepted:
+        if self.token is not None and "store_signing" not in req.model_fields_set:
+            # A trainer written for contract 1.0 does not sign the decision it writes to the store: its "go"
+            # would read as an abort, after every server had already entered the broadcast.
+            raise ContractError(
+                400,
+                "unsigned_store",
+                f"this server speaks contract {CONTRACT_VERSION}, which signs every store value with the "
+                f'server\'s token: send "store_signing": "{STORE_SIGNING}" and sign the decision and every '
+                "value you write as docs/contract.md § Store values says (a contract 1.0 trainer does not)",
+            )
         async with self._update_lock:
             validate_update(req, self.table, self.version, self.pending, self.group is not None)
             if req.fanout not in self.capabilities().fanouts:

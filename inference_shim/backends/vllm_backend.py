@@ -23,6 +23,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Literal
@@ -174,6 +175,7 @@ class VllmBackend(Backend):
             enable_prefix_caching=True,  # safe across updates under either policy: see _kv_epoch
             **({"gpu_memory_utilization": o.gpu_memory_utilization} if o.gpu_memory_utilization else {}),
             worker_extension_cls=WORKER_EXTENSION,
+            use_tqdm_on_load=sys.stderr.isatty(),  # a log file gets no carriage-return bar
             **_whole_prefills_on_cpu(self.max_model_len, o.tensor_parallel_size),
         )
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here

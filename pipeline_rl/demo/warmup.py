@@ -18,11 +18,13 @@ import json
 import math
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from pipeline_rl.progress import Progress
 from pipeline_rl.tasks import Problem, TaskConfig, arith_solution_text, make_task
 
 # How a worked answer can be written. "answer" (`answer: 12`) is what the prompt asks for and what the
@@ -124,6 +126,7 @@ def greedy_texts(model, tokenizer, problems: list[Problem], max_tokens: int) -> 
         by_length.setdefault(len(prompt), []).append((k, prompt))
     texts = [""] * len(problems)
     model.eval()
+    bar = Progress("greedy answers", len(problems), unit="problem", stream=sys.stdout, quiet=True)
     for batch in by_length.values():
         ids = torch.tensor([prompt for _, prompt in batch])
         with torch.no_grad():
@@ -137,6 +140,8 @@ def greedy_texts(model, tokenizer, problems: list[Problem], max_tokens: int) -> 
             )
         for i, (k, _) in enumerate(batch):
             texts[k] = tokenizer.decode(out[i, ids.shape[1] :], skip_special_tokens=True)
+        bar.advance(len(batch))
+    bar.close()
     return texts
 
 
@@ -193,6 +198,16 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
     model.train()
     losses = []
     demonstrate = getattr(task, "demonstration", None)  # multi-turn tasks: whole episodes
+    bar = Progress(
+        "warm-up",
+        cfg.steps,
+        every=25,
+        line=lambda done, total, note: (
+            f"  warm-up step {done}/{total}: {note} ({time.monotonic() - start:.0f}s)"
+        ),
+        stream=sys.stdout,
+        unit="step",
+    )
     for _ in range(cfg.steps):
         rows = []
         for _ in range(cfg.batch_size):
@@ -218,12 +233,9 @@ def warm_up(base_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, cfg
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        if len(losses) % 25 == 0:
-            recent = sum(losses[-25:]) / 25
-            print(
-                f"  warm-up step {len(losses)}/{cfg.steps}: loss {recent:.3f} ({time.monotonic() - start:.0f}s)",
-                flush=True,
-            )
+        recent = losses[-25:]
+        bar.advance(note=f"loss {sum(recent) / len(recent):.3f}")
+    bar.close()
     seconds = time.monotonic() - start
     test = list(task.problems(shard_index=0, num_shards=1, seed=cfg.seed, split="test"))[: cfg.eval_problems]
     # Single turn: the first answer only (a multi-turn task's episodes are measured by the launcher's
@@ -264,11 +276,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-operand", type=int, default=99)
     parser.add_argument("--operators", default="+-")
+    parser.add_argument("--eval-problems", type=int, default=200)
     args = parser.parse_args(argv)
     task_cfg = TaskConfig(
         name="arith", options={"max_operand": args.max_operand, "operators": args.operators}
     )
-    cfg = WarmupConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr)
+    cfg = WarmupConfig(
+        steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, eval_problems=args.eval_problems
+    )
     print(json.dumps(warm_up(args.base, args.out, task_cfg, cfg), indent=2))
 
 

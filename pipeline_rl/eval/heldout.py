@@ -18,6 +18,7 @@ from pathlib import Path
 
 from inference_shim.client import AsyncShimClient
 from pipeline_rl.actor.episode import EpisodeLimits, run_episode
+from pipeline_rl.progress import Progress
 from pipeline_rl.tasks import Grader, TaskConfig, held_out_problems, make_task
 
 
@@ -31,6 +32,7 @@ async def _evaluate(
     max_model_len: int = 4096,
     samples: int = 1,
     seed: int = 0,
+    progress: bool = True,
 ) -> dict:
     task = make_task(task_cfg)
     multi_turn = getattr(task, "multi_turn", False)
@@ -77,9 +79,18 @@ async def _evaluate(
             )
         return [c.message.content or "" for c in response.choices]
 
+    total = len(problems) * (2 if samples > 1 else 1)
+    # A periodic evaluation (progress=False) runs beside the launcher's own progress lines.
+    bar = Progress("held-out evaluation", total, unit="problem", quiet=True, enabled=progress)
+
+    async def counted(work):
+        out = await work
+        bar.advance()
+        return out
+
     grader = Grader.from_config(task, task_cfg)
     try:
-        answers = await asyncio.gather(*(greedy(p) for p in problems))
+        answers = await asyncio.gather(*(counted(greedy(p)) for p in problems))
         judged = await asyncio.gather(
             *(grader.judge_async(p, text) for p, (text, _) in zip(problems, answers, strict=True))
         )
@@ -87,9 +98,10 @@ async def _evaluate(
         result["problems"] = len(problems)
         result["weight_version"] = max(v for _, v in answers)
         if samples > 1:
-            drawn = await asyncio.gather(*(sampled(p) for p in problems))
+            drawn = await asyncio.gather(*(counted(sampled(p)) for p in problems))
             result.update(await _sampled_summary(task, grader, problems, drawn))
     finally:
+        bar.close()
         grader.close()
         await client.aclose()
     return result
@@ -151,13 +163,16 @@ def evaluate_server(
     max_model_len: int = 4096,
     samples: int = 1,
     seed: int = 0,
+    progress: bool = True,
 ) -> dict:
     """{'accuracy', 'unparseable', 'problems', 'weight_version'} of greedy answers on the test split
     (greedy episodes for a multi-turn task, which needs `model_path` for its tokenizer), with
     'reward_mean' for a reward by reference, and with samples > 1 also pass@k, maj@k (tasks that name
     their final answer) and the samples' mean reward."""
     return asyncio.run(
-        _evaluate(url, task_cfg, num_problems, max_tokens, token, model_path, max_model_len, samples, seed)
+        _evaluate(
+            url, task_cfg, num_problems, max_tokens, token, model_path, max_model_len, samples, seed, progress
+        )
     )
 
 
@@ -166,13 +181,14 @@ class RunEvaluations:
     to <run_dir>/stats.jsonl as type 'eval' (where the report's plots and the benchmarks read them).
     Each uses the first server that answers it (a server may be restarting)."""
 
-    def __init__(self, cfg, run_dir: Path) -> None:
+    def __init__(self, cfg, run_dir: Path, write_rows=None) -> None:
         self.cfg = cfg  # a pipeline_rl.config.RunConfig
         self.run_dir = run_dir
+        self.write_rows = write_rows  # the launcher's RunMonitor.record (stats.jsonl and the trackers)
         self.results: dict[str, dict] = {}  # "before" / "after" -> result
         self._thread: threading.Thread | None = None
 
-    def measure(self) -> dict:
+    def measure(self, progress: bool = True) -> dict:
         from pipeline_rl.fleet import read_fleet
 
         e, inference = self.cfg.eval, self.cfg.inference
@@ -187,6 +203,7 @@ class RunEvaluations:
                     inference.token,
                     self.cfg.model_path,
                     inference.max_model_len,
+                    progress=progress,
                 )
             except Exception as err:  # the next server may answer
                 errors.append(f"{url}: {type(err).__name__}: {err}")
@@ -194,6 +211,9 @@ class RunEvaluations:
 
     def record(self, result: dict, when: str) -> None:
         row = {"type": "eval", "time": time.time(), "when": when, **result}
+        if self.write_rows is not None:
+            self.write_rows([row])
+            return
         with (self.run_dir / "stats.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -212,7 +232,7 @@ class RunEvaluations:
 
         def run() -> None:
             try:
-                result = self.measure()
+                result = self.measure(progress=False)
             except Exception as e:  # a failed evaluation is reported, the run goes on
                 print(f"(periodic evaluation failed: {e})", flush=True)
                 return

@@ -47,6 +47,7 @@ from pipeline_rl.launch.plan import (  # noqa: F401 - re-exported: the launcher'
 )
 from pipeline_rl.launch.preflight import with_model_length
 from pipeline_rl.launch.runner import Launcher
+from pipeline_rl.progress import quiet_library_bars
 from pipeline_rl.streams.config import redact_url
 
 
@@ -107,7 +108,8 @@ def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -
     node_dir = Path(cfg.run_dir) / "nodes" / args.node
     node_dir.mkdir(parents=True, exist_ok=True)
     # The Redis password reaches children inside redis_url (secrets file), not through the environment.
-    env = {k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV}
+    # Every child writes to a log file: Hugging Face's bars there would be carriage-return noise.
+    env = quiet_library_bars({k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV})
     sys.exit(Launcher(cfg, node_dir, share, args.progress_every).run(status_port, env))
 
 

@@ -2,7 +2,8 @@
 a one-line progress display, and `GET /status` (curl-friendly JSON aggregating every process).
 
 Everything read from the streams is also appended to <run_dir>/stats.jsonl, which the end-of-run report
-(pipeline_rl/launch/report.py) plots from.
+(pipeline_rl/launch/report.py) plots from, and handed to the run's experiment trackers
+(pipeline_rl/tracking/hub.py) when tracking is on: `record` is the one place rows are written.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import httpx
 
 from inference_shim.client import ShimClient, ShimError
 from pipeline_rl.config import RunConfig
-from pipeline_rl.messages import PreprocessorProgress, StatsRecord, WeightVersionEvent
+from pipeline_rl.messages import CompletionSample, PreprocessorProgress, StatsRecord, WeightVersionEvent
 from pipeline_rl.streams import STATS, TRAINER_EVENTS, make_reader
 
 
 class RunMonitor:
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, trackers=None) -> None:
         self.cfg = cfg
         self.stats_path = run_dir / "stats.jsonl"
+        self.trackers = trackers  # a pipeline_rl.tracking.hub.Trackers, or None
         self.started = time.time()
         self.latest: dict[str, dict] = {}  # source -> latest values
         self.version = 0
@@ -52,13 +54,22 @@ class RunMonitor:
                         self.last_event = row
                 elif isinstance(message, PreprocessorProgress):
                     row = {"type": "preprocessor", **message.model_dump(exclude={"kind"})}
+                elif isinstance(message, CompletionSample):
+                    row = {"type": "sample", **message.model_dump(exclude={"kind"})}
                 else:
                     continue
                 rows.append(row)
-        if rows:
-            with self.stats_path.open("a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+        self.record(rows)
+
+    def record(self, rows: list[dict]) -> None:
+        """Append rows to stats.jsonl and hand them to the trackers (the evaluations' rows come here too)."""
+        if not rows:
+            return
+        with self._lock, self.stats_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        if self.trackers is not None:
+            self.trackers.rows(rows)
 
     def poll_servers(self, urls: list[str]) -> None:
         for url in urls:
@@ -71,6 +82,9 @@ class RunMonitor:
                 client.close()
             with self._lock:
                 self.server_health[url] = health
+        if self.trackers is not None:
+            with self._lock:
+                self.trackers.servers(self.server_health)
 
     def progress_line(self) -> str:
         with self._lock:

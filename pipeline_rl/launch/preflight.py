@@ -116,4 +116,30 @@ def run_problems(cfg: RunConfig, share: NodeShare) -> list[str]:
     problems = checkpoint_run_problems(cfg, share)
     if share.actors or share.evaluates:
         problems += task_problems(cfg)
+    if share.trainer is not None:
+        problems += tracking_problems(cfg)
+    return problems
+
+
+TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
+
+
+def tracking_problems(cfg: RunConfig) -> list[str]:
+    """Trackers turned on without their package, and sink references that do not resolve."""
+    import importlib.util
+
+    from pipeline_rl.references import resolve_callable
+
+    problems = []
+    for name, module in TRACKER_PACKAGES.items():
+        if getattr(cfg.tracking, name) and importlib.util.find_spec(module) is None:
+            problems.append(
+                f"tracking.{name}=true needs the {module} package: pip install 'pipeline-rl[{name}]' "
+                f"(or turn it off: tracking.{name}=false)"
+            )
+    for ref in cfg.tracking.sinks:
+        try:
+            resolve_callable(ref, "tracking.sinks")
+        except ValueError as e:
+            problems.append(str(e))
     return problems

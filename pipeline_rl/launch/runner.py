@@ -82,7 +82,8 @@ class Launcher:
         self.monitor = None
         self.status_server = None
         self.stop_requested: str | None = None
-        self.evals = RunEvaluations(cfg, run_dir)
+        self.evals = RunEvaluations(cfg, run_dir, write_rows=self._write_rows)
+        self.trackers = None  # pipeline_rl.tracking.hub.Trackers, on the node with the trainer
         self.monitor_closed = False
         self.supervisor = Supervisor(cfg.supervision)
         self.env: dict[str, str] = {}  # the children's base environment, kept for their restarts
@@ -165,7 +166,13 @@ class Launcher:
         print_plan(cfg, specs, self.run_dir, status_port, self.share)
         if self.share.cluster and self.redis is None and cfg.streams.backend == "redis":
             self._wait_redis()  # the monitor reads the streams from the start
-        self.monitor = RunMonitor(cfg, self.run_dir)
+        if "trainer" in self.roles and cfg.tracking.enabled:
+            from pipeline_rl.tracking.hub import Trackers
+
+            self.trackers = Trackers.start(cfg, self.run_dir, resumed=self.resuming)
+            names = ", ".join(sink.name for sink in self.trackers.sinks)
+            print(f"tracking: {names} (files under {self.run_dir / 'tracking'})", flush=True)
+        self.monitor = RunMonitor(cfg, self.run_dir, self.trackers)
         if self.share.trainer or not self.share.cluster:  # the node whose trainer follows fleet.json
             write_fleet(cfg.run_dir, cfg.inference.urls)  # the shared run directory
         self.status_server = serve_status(
@@ -173,6 +180,14 @@ class Launcher:
         )
         (self.run_dir / "status_port").write_text(f"{status_port}\n")
         return specs
+
+    def _write_rows(self, rows: list[dict]) -> None:
+        self.monitor.record(rows)
+
+    def _finish_tracking(self, summary: dict, plots: list[Path]) -> None:
+        if self.trackers is not None:
+            trackers, self.trackers = self.trackers, None
+            trackers.finish(summary, plots)
 
     def _status(self) -> dict:
         status = self.monitor.status(self.children)
@@ -428,8 +443,11 @@ class Launcher:
                 wait_other_clients_off(self.cfg.streams.redis_url, REDIS_LINGER_S)
             self.redis.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if self.monitor is not None and "trainer" in self.roles:
-            self._report(started)
+        try:
+            if self.monitor is not None and "trainer" in self.roles:
+                self._report(started)
+        finally:
+            self._finish_tracking({}, [])  # a run without a report still closes its trackers
 
     def _report(self, started: float) -> None:
         from pipeline_rl.launch.report import make_plots, summarize
@@ -446,3 +464,4 @@ class Launcher:
         print("\n=== summary ===")
         print(json.dumps(summary, indent=2))
         print("plots: " + ", ".join(str(p) for p in plots))
+        self._finish_tracking(summary, plots)

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from inference_shim.faults import fault_point
+from pipeline_rl.progress import Progress
 from pipeline_rl.run_dir import (  # noqa: F401 - has_checkpoint, read_snapshots: the layout's readers
     SNAPSHOT_INDEX,
     SNAPSHOTS,
@@ -263,12 +264,17 @@ def save(
         tmp.mkdir(parents=True)
     comm.barrier()
 
+    # A bar when the trainer runs on a terminal (by hand); nothing in a log, which gets its own line.
+    bar = Progress(f"checkpoint {final.name}", 4, unit="part", quiet=True, enabled=comm.is_main)
     # Plain writes: the single fsync pass below makes them durable before anything is published.
     weights = strategy.full_state_dict(bucket_bytes)  # collective; rank 0 only gets the dict
+    bar.advance(note="weights gathered")
     if comm.is_main:
         strategy.module.save_pretrained(tmp / "model", state_dict=weights, safe_serialization=True)
         copy_tokenizer_files(model_path, tmp / "model")
+    bar.advance(note="model written")
     strategy.save_optimizer(tmp / "optimizer")
+    bar.advance(note="optimizer written")
     (tmp / f"feed_rank{comm.rank}.json").write_text(json.dumps(feed_state))
     state.replica_checksums = comm.all_gather_object(strategy.replica_checksum())
     if comm.is_main:
@@ -287,6 +293,8 @@ def save(
     # Rank 0 publishes; every rank waits for it and learns the outcome, so a checkpoint that fails
     # verification stops all ranks at this point instead of leaving them in the next collective.
     comm.on_main(publish, f"publishing checkpoint {final.name}")
+    bar.advance(note="published")
+    bar.close()
     return final
 
 

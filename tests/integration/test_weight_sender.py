@@ -29,7 +29,7 @@ def _meta(name: str, shape: list[int], dtype: str = "float32") -> TensorMeta:
 class _NeverJoins(BaseHTTPRequestHandler):
     def do_GET(self):
         body = {
-            "contract_version": "1.0",
+            "contract_version": "2.0",
             "backend": "stand-in",
             "engine_version": "0",
             "model": "m",

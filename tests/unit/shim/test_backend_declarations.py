@@ -104,7 +104,7 @@ BACKENDS = {
 # ------------------------------------------------------------------ /capabilities and /v1/models
 BOTH = ["bfloat16", "float32"]
 CAPTURE = {
-    "contract_version": "1.0",
+    "contract_version": "2.0",
     "backend": "capture",
     "engine_version": "none",
     "model": "tiny-x",
