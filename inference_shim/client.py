@@ -218,11 +218,12 @@ def leave_weight_group(client: ShimClient, deadline: float, poll_s: float = 0.5)
         time.sleep(poll_s)
 
 
-def served_version(urls: list[str], timeout_s: float = 10.0) -> int:
-    """The newest weight version any of these servers serves (each one's /debug/state)."""
+def served_version(urls: list[str], timeout_s: float = 10.0, token: str | None = None) -> int:
+    """The newest weight version any of these servers serves (each one's /debug/state; off loopback it
+    needs the token)."""
     versions = []
     for url in urls:
-        client = ShimClient(url, timeout_s=timeout_s)
+        client = ShimClient(url, token=token, timeout_s=timeout_s)
         try:
             versions.append(client.debug_state().weight_version)
         finally:

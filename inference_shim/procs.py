@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,6 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
+
+# Bind addresses no other machine can reach: a server on one of them may run without token or API key.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -47,10 +51,35 @@ _prctl = _load_prctl()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on host that was free a moment ago (the caller must cope with losing a race for it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port on host that was free a moment ago, drawn below the kernel's ephemeral range.
+
+    Between this call and the bind of whoever uses the port (a launched server binds seconds later),
+    any outgoing connection or bind(0) of the machine may take a port from the ephemeral range; below
+    it only another free_port() caller can, and then only by drawing the same random port. The caller
+    must still cope with losing that race. bind(0) where the range leaves no room below it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _DRAW.randint(EXPLICIT_PORTS_FROM, low - 1) if low > EXPLICIT_PORTS_FROM + 1000 else 0
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host} between {EXPLICIT_PORTS_FROM} and {low - 1}")
+
+
+EXPLICIT_PORTS_FROM = 10000  # free_port() draws from here up to the ephemeral range
+_DRAW = random.SystemRandom()  # never seeded: two processes that seeded `random` alike draw apart
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

@@ -31,7 +31,7 @@ from inference_shim.backends.base import Backend
 from inference_shim.backends.common import ContractError
 from inference_shim.limits import AdmissionGate, GuardMiddleware, Limits
 from inference_shim.metrics import RouteMetricsMiddleware, ShimMetrics
-from inference_shim.procs import reserve_port
+from inference_shim.procs import LOOPBACK_HOSTS, reserve_port
 from inference_shim.protocol import ErrorResponse
 from inference_shim.routes.generation import generation_router
 from inference_shim.routes.introspection import introspection_router
@@ -52,6 +52,11 @@ class ServeConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port.")
     token: str | None = Field(default=None, description="Bearer token required on control routes.")
     api_key: str | None = Field(default=None, description="Bearer key required on /v1/ routes; None: open.")
+    allow_open_v1: bool = Field(
+        default=False,
+        description="Serve /v1/ without an API key on a non-loopback address (behind a gateway that "
+        "authenticates); refused otherwise.",
+    )
     limits: Limits = Field(default_factory=Limits, description="Body size, admission and request limits.")
     log_level: str = Field(default="info", description="uvicorn / logging level.")
     await_weights: bool = Field(
@@ -65,10 +70,20 @@ class ServeConfig(BaseModel):
                 f"--host {self.host} exposes the control routes beyond this machine: set a token "
                 "($PIPELINE_RL_TOKEN or --token), or bind 127.0.0.1"
             )
+        if self.host not in LOOPBACK_HOSTS and not self.api_key and not self.allow_open_v1:
+            raise ValueError(
+                f"--host {self.host} would serve generation (/v1/*) to anyone who reaches it: set an API "
+                "key ($PIPELINE_RL_API_KEY or --api-key; a launched run makes one, or takes "
+                "inference.api_key), bind 127.0.0.1, or pass --allow-open-v1 behind a gateway that "
+                "authenticates"
+            )
         return self
 
+    @property
+    def exposed(self) -> bool:
+        """Bound beyond this machine: /debug/state then answers the token holder only."""
+        return self.host not in LOOPBACK_HOSTS
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 # The `error` code of an HTTP error the framework raises itself (unknown path, wrong method, body
 # that cannot be parsed, body over the limit): every error body is {"error", "detail"}.
@@ -90,6 +105,7 @@ def create_app(
     token: str | None = None,
     limits: Limits | None = None,
     api_key: str | None = None,
+    exposed: bool = False,
 ) -> FastAPI:
     """The app over one backend: the routers of inference_shim/routes/, the contract's error bodies for
     every failure, the API-key/limits guard and metrics middleware, and the engine's lifespan."""
@@ -153,7 +169,7 @@ def create_app(
         )
         return _error(422, "invalid_request", detail)
 
-    app.include_router(introspection_router(backend, metrics, token))
+    app.include_router(introspection_router(backend, metrics, token, exposed))
     app.include_router(generation_router(backend, limits, tokenize_pool))
     app.include_router(weights_router(backend, token))
     return app
@@ -214,7 +230,7 @@ def serve(cfg: ServeConfig, engine_options: dict) -> None:
     metrics = ShimMetrics()
     backend = make_backend(cfg, engine_options, metrics)
     backend.awaiting_weights = cfg.await_weights
-    app = create_app(backend, metrics, cfg.token, cfg.limits, cfg.api_key)
+    app = create_app(backend, metrics, cfg.token, cfg.limits, cfg.api_key, cfg.exposed)
     config = uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     if app.state.engine_failure is not None:

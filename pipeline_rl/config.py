@@ -41,6 +41,12 @@ class InferenceConfig(_Section):
     token: str | None = Field(
         None, description="Bearer token for control routes (launcher makes one if unset)."
     )
+    api_key: str | None = Field(
+        None,
+        description="Bearer key for the servers' /v1/* (generation) routes. Unset: $PIPELINE_RL_API_KEY, "
+        "else the launcher makes one per run when any server binds off loopback (kept in secrets/); on "
+        "loopback only, /v1/* stays open so the servers answer plain curl.",
+    )
     dtype: str = Field("float32", description="Engine weight dtype: float32 on CPU, bfloat16 on GPU.")
     max_model_len: int | None = Field(
         None,
@@ -350,16 +356,17 @@ def secret_fields(cfg: RunConfig) -> dict:
     config.json, so the run directory can be read, shared and attached to bug reports without them.
     """
     secrets: dict = {}
-    if cfg.inference.token:
-        secrets["inference"] = {"token": cfg.inference.token}
+    inference = {k: v for k in ("token", "api_key") if (v := getattr(cfg.inference, k))}
+    if inference:
+        secrets["inference"] = inference
     if cfg.streams.redis_url and redact_url(cfg.streams.redis_url) != cfg.streams.redis_url:
         secrets["streams"] = {"redis_url": cfg.streams.redis_url}
     return secrets
 
 
 def public_config(cfg: RunConfig) -> RunConfig:
-    """`cfg` without its secrets: no token, the Redis URL without its password."""
-    update: dict = {"inference": cfg.inference.model_copy(update={"token": None})}
+    """`cfg` without its secrets: no token or API key, the Redis URL without its password."""
+    update: dict = {"inference": cfg.inference.model_copy(update={"token": None, "api_key": None})}
     if cfg.streams.redis_url:
         public_url = redact_url(cfg.streams.redis_url, "")
         update["streams"] = cfg.streams.model_copy(update={"redis_url": public_url})

@@ -28,6 +28,23 @@ are the durable state; the ledger is the audit). A writer killed inside a write 
 the next writer of that file first ends it with a newline, and the reader skips unparsable lines and
 counts them (`unreadable_lines`).
 
+Positive accounting. `generated - trained - dropped` alone cannot tell a sample that waits from one that
+vanished, so every other sample must be LOCATED, by id:
+    locations.json   written by the launcher at a clean stop, before Redis stops (launch/locations.py):
+                     {"complete": true, "places": {"<place>": [ids]}, "unknown": [what it could not read]}
+                     places: a stream's entries not yet acknowledged by its consumers (rollouts: pending
+                     or undelivered), a trainer rank's partition after its checkpointed position, a
+                     rank's checkpointed read-but-untrained packages;
+    {"event": "held", "place": P, "ids": [...]}   in any role's own file: where that role's samples
+                     wait (the newest "held" line of a file and place replaces the earlier ones; an empty
+                     list clears it) — the way a role adds a place of its own;
+    exits.jsonl      the launcher's record of every process exit that was not a clean one
+                     ({"name", "pid", "code"}), with each actor file's {"event": "start", "pid"} line:
+                     the last "generated" group of an incarnation that exited so may never have reached
+                     the stream (the write-ahead above) and is ABANDONED, not lost.
+Anything else is LOST, named by id. Without a locations.json (the run crashed, or was interrupted)
+the located and lost counts are not established, and the report says so.
+
 Drop reasons: filtered (all rewards equal: DAPO dynamic sampling), too_long (longer than
 preprocess.seq_length with overlong=drop, or a prompt that fills it), untrainable (no token left to train
 on, e.g. every completion id outside the vocabulary), malformed (a group the preprocessor could not
@@ -46,6 +63,8 @@ from typing import Any
 
 LEDGER_DIR = "ledger"
 TRAINER_FILE = "trainer.jsonl"
+LOCATIONS_FILE = "locations.json"
+EXITS_FILE = "exits.jsonl"
 
 FILTERED = "filtered"
 TOO_LONG = "too_long"
@@ -101,6 +120,14 @@ class LedgerWriter:
             record["detail"] = detail
         self.append(record)
 
+    def started(self) -> None:
+        """This process's first line: its pid, matched against the launcher's record of unclean exits."""
+        self.append({"event": "start", "pid": os.getpid()})
+
+    def held(self, place: str, ids: list[str]) -> None:
+        """This role's samples that wait in `place` now (replaces its earlier "held" line for it)."""
+        self.append({"event": "held", "place": place, "ids": ids})
+
     def trained(self, step: int, ids: list[str]) -> None:
         self.append({"event": "trained", "step": step, "ids": ids})
 
@@ -138,10 +165,30 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, bad
 
 
+def write_locations(run_dir: str | Path, places: dict[str, list[str]], unknown: list[str]) -> Path:
+    """<run_dir>/ledger/locations.json (atomically): the launcher's snapshot at a clean stop."""
+    path = ledger_dir(run_dir) / LOCATIONS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"complete": not unknown, "places": places, "unknown": unknown}))
+    tmp.replace(path)
+    return path
+
+
+def record_exit(run_dir: str | Path, name: str, pid: int, code: int | None) -> None:
+    """The launcher's line for a process that exited other than cleanly (killed, crashed)."""
+    path = ledger_dir(run_dir) / EXITS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"name": name, "pid": pid, "code": code}) + "\n")
+
+
 @dataclass
 class LedgerSummary:
     """Counts of a run's ledger. `balanced`: every trained or dropped id was generated, none was both
-    trained and dropped, none trained twice; then generated = trained + dropped + len(in_flight)."""
+    trained and dropped, none trained twice, and, with a location snapshot, none lost; then generated
+    = trained + dropped + located + abandoned (+ lost), where without a snapshot `in_flight` stands for
+    located + abandoned + lost."""
 
     generated: int = 0
     trained: int = 0
@@ -152,6 +199,11 @@ class LedgerSummary:
     not_generated: list[str] = field(default_factory=list)  # trained/dropped with no "generated" line
     unreadable_lines: int = 0
     files: int = 0
+    # Positive accounting (None: no snapshot at a clean stop, so not established):
+    located: dict[str, int] | None = None  # place -> ids of in_flight found there
+    abandoned: list[str] = field(default_factory=list)  # last group of an incarnation that exited uncleanly
+    lost: list[str] | None = None  # in flight, found nowhere: must stay empty
+    not_established: list[str] = field(default_factory=list)  # what the snapshot could not read
 
     @property
     def dropped_total(self) -> int:
@@ -159,13 +211,22 @@ class LedgerSummary:
         return sum(n for reason, n in self.dropped.items() if reason != DUPLICATE)
 
     @property
+    def located_total(self) -> int:
+        return sum((self.located or {}).values())
+
+    @property
     def balanced(self) -> bool:
-        return not (self.duplicates_trained or self.trained_and_dropped or self.not_generated) and (
-            self.generated == self.trained + self.dropped_total + len(self.in_flight)
-        )
+        return not (
+            self.duplicates_trained or self.trained_and_dropped or self.not_generated or self.lost
+        ) and (self.generated == self.trained + self.dropped_total + len(self.in_flight))
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "dropped_total": self.dropped_total, "balanced": self.balanced}
+        return {
+            **asdict(self),
+            "dropped_total": self.dropped_total,
+            "located_total": self.located_total,
+            "balanced": self.balanced,
+        }
 
     def lines(self, max_ids: int = 10) -> list[str]:
         """Human-readable lines for `pipeline-rl report`."""
@@ -175,14 +236,29 @@ class LedgerSummary:
             return ", ".join(ids[:max_ids]) + more
 
         reasons = ", ".join(f"{r} {n}" for r, n in sorted(self.dropped.items())) or "none"
-        out = [
-            f"ledger: {'balanced' if self.balanced else 'NOT BALANCED'}: generated {self.generated} = "
-            f"trained {self.trained} + dropped {self.dropped_total} + in flight {len(self.in_flight)}",
-            f"  dropped by reason: {reasons}",
-            f"  trained twice: {len(self.duplicates_trained)}",
-        ]
+        head = f"ledger: {'balanced' if self.balanced else 'NOT BALANCED'}: generated {self.generated} = "
+        head += f"trained {self.trained} + dropped {self.dropped_total} + "
+        if self.located is None:
+            head += f"in flight {len(self.in_flight)}"
+        else:
+            rest = len(self.in_flight) - self.located_total - len(self.abandoned)
+            lost = "not established" if self.lost is None else str(len(self.lost))
+            head += f"located {self.located_total} + abandoned {len(self.abandoned)} + unlocated {rest}"
+            head += f"; lost {lost}"
+        out = [head, f"  dropped by reason: {reasons}", f"  trained twice: {len(self.duplicates_trained)}"]
+        if self.located is None:
+            out.append(
+                "  located / lost: not established (no location snapshot: the run did not stop cleanly); "
+                "the in-flight samples may wait in a stream or a checkpoint, or be lost"
+            )
+        for place, n in sorted((self.located or {}).items()):
+            out.append(f"  located in {place}: {n}")
+        for what in self.not_established:
+            out.append(f"  not established: {what}")
         for name, ids in (
-            ("in flight", self.in_flight),
+            ("in flight", self.in_flight if self.located is None else []),
+            ("abandoned by a process that exited uncleanly", self.abandoned),
+            ("LOST", self.lost or []),
             ("TRAINED TWICE", self.duplicates_trained),
             ("TRAINED AND DROPPED", self.trained_and_dropped),
             ("NEVER GENERATED", self.not_generated),
@@ -201,19 +277,28 @@ def ledger_summary(run_dir: str | Path) -> LedgerSummary:
     dropped: dict[str, str] = {}  # id -> first reason (a redone drop repeats the same one)
     duplicate_copies = 0
     trained_lines: list[dict[str, Any]] = []
+    held: dict[tuple[str, str], list[str]] = {}  # (file, place) -> its newest "held" ids
+    last_generated: dict[int, list[str]] = {}  # pid of an actor incarnation -> its last group's ids
     root = ledger_dir(run_dir)
-    paths = sorted(root.glob("*.jsonl")) if root.is_dir() else []
+    paths = sorted(p for p in root.glob("*.jsonl") if p.name != EXITS_FILE) if root.is_dir() else []
     for path in paths:
         records, bad = read_records(path)
         summary.files += 1
         summary.unreadable_lines += bad
         if path.name == TRAINER_FILE:
             records = _apply_rewinds(records)
+        pid = None
         for r in records:
             ids = [str(i) for i in r.get("ids", [])]
             event = r.get("event")
-            if event == "generated":
+            if event == "start":
+                pid = r.get("pid")
+            elif event == "held":
+                held[(path.name, str(r.get("place")))] = ids
+            elif event == "generated":
                 generated.update(ids)
+                if pid is not None:
+                    last_generated[pid] = ids
             elif event == "trained":
                 trained_lines.append(r)
             elif event == "dropped" and r.get("reason") == DUPLICATE:
@@ -231,7 +316,44 @@ def ledger_summary(run_dir: str | Path) -> LedgerSummary:
     summary.trained_and_dropped = sorted(set(trained) & set(dropped))
     summary.not_generated = sorted((set(trained) | set(dropped)) - generated)
     summary.in_flight = sorted(generated - set(trained) - set(dropped))
+    _locate(summary, root, held, last_generated)
     return summary
+
+
+def _locate(
+    summary: LedgerSummary,
+    root: Path,
+    held: dict[tuple[str, str], list[str]],
+    last_generated: dict[int, list[str]],
+) -> None:
+    """Split in_flight into located / abandoned / lost with the launcher's snapshot (module docstring)."""
+    path = root / LOCATIONS_FILE
+    if not path.exists():
+        return
+    try:
+        snapshot = json.loads(path.read_text())
+    except ValueError as e:
+        summary.not_established.append(f"{path.name} is unreadable ({e})")
+        return
+    places: dict[str, set[str]] = {p: set(ids) for p, ids in snapshot.get("places", {}).items()}
+    for (_, place), ids in held.items():
+        places.setdefault(place, set()).update(ids)
+    summary.not_established = [str(u) for u in snapshot.get("unknown", [])]
+    waiting = set(summary.in_flight)
+    summary.located = {}
+    for place, ids in places.items():
+        found = waiting & ids
+        if found:
+            summary.located[place] = len(found)
+            waiting -= found
+    unclean: set[int] = set()
+    exits = root / EXITS_FILE
+    if exits.exists():
+        unclean = {int(r["pid"]) for r in read_records(exits)[0] if r.get("pid") is not None}
+    abandoned = {i for pid in unclean for i in last_generated.get(pid, [])} & waiting
+    summary.abandoned = sorted(abandoned)
+    # What the snapshot could not read may hold the rest: then lost is not established either.
+    summary.lost = None if summary.not_established else sorted(waiting - abandoned)
 
 
 def _apply_rewinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -57,6 +57,7 @@ assert not _missing, f"SERIAL_FILES names files that do not exist (renamed?): {_
 LONGEST_FIRST = (
     "test_architectures.py",
     "test_smoke.py",
+    "test_soak.py",
     "test_launcher.py",
     "test_contract_suite.py",
     "test_actor.py",

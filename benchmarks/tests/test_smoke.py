@@ -106,7 +106,7 @@ def test_every_benchmark_runs_quick_and_writes_its_result(tmp_path: Path) -> Non
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-11:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-12:] == [
         "streams",
         "shim",
         "multihost",
@@ -117,6 +117,7 @@ def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> Non
         "engine-profile",
         "warmup-seeds",
         "tracking-cost",
+        "soak",
         "demo",
     ]
     assert everything == list(ALL_BENCHMARKS) and everything[2] == "pipeline-vs-sync"

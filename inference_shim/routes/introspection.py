@@ -1,5 +1,6 @@
-"""Curl-friendly introspection routes: /health (503 unless ok), /capabilities, /debug/state (open, but
-the weight group's store address only for the token holder) and Prometheus /metrics."""
+"""Curl-friendly introspection routes: /health (503 unless ok), /capabilities, /debug/state (on loopback
+open but the weight group's store address only for the token holder; off loopback the token holder's
+only) and Prometheus /metrics (open everywhere: what a scraper expects; it holds counts, no prompts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from inference_shim.metrics import ShimMetrics
 from inference_shim.routes.auth import token_check
 
 
-def introspection_router(backend: Backend, metrics: ShimMetrics, token: str | None) -> APIRouter:
+def introspection_router(
+    backend: Backend, metrics: ShimMetrics, token: str | None, exposed: bool = False
+) -> APIRouter:
     router = APIRouter()
     require_token = token_check(token)
 
@@ -27,6 +30,8 @@ def introspection_router(backend: Backend, metrics: ShimMetrics, token: str | No
 
     @router.get("/debug/state")
     async def debug_state(request: Request):
+        if exposed:  # in-flight requests, the update's timings and the group: not for the whole network
+            require_token(request)
         state = backend.debug_state()
         try:
             require_token(request)

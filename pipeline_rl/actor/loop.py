@@ -103,6 +103,7 @@ class Actor:
         # 48 random bits per process start: ids of two lives of one actor collide with odds ~2^-48.
         self.incarnation = uuid.uuid4().hex[:12]
         self.ledger = LedgerWriter(cfg.run_dir, f"actor{actor_index}-{self.incarnation}")
+        self.ledger.started()  # its pid: an unclean exit (the launcher's record) abandons its last group
         self.limits = GateLimits.from_config(cfg)
         self.task = make_task(cfg.task)
         # Multi-turn tasks render the environment's turns to tokens on this side (token in / token out).
@@ -126,7 +127,10 @@ class Actor:
         t = cfg.tracking
         self.share_samples = t.samples_every_steps if t.enabled else 0
         self.samples_bucket, self.samples_shared = -1, 0
-        clients = [AsyncShimClient(u, cfg.inference.token, a.request_timeout_s) for u in cfg.inference.urls]
+        clients = [
+            AsyncShimClient(u, cfg.inference.token, a.request_timeout_s, api_key=cfg.inference.api_key)
+            for u in cfg.inference.urls
+        ]
         self.fleet = FleetWatch(cfg.run_dir, cfg.inference.urls)
         self.router = Router(
             [Server(i, c.base_url, c) for i, c in enumerate(clients)],
@@ -527,7 +531,12 @@ class Actor:
         known = {s.url for s in self.router.servers if not s.removed}
         for url in urls:
             if url not in known:
-                client = AsyncShimClient(url, self.cfg.inference.token, self.cfg.actor.request_timeout_s)
+                client = AsyncShimClient(
+                    url,
+                    self.cfg.inference.token,
+                    self.cfg.actor.request_timeout_s,
+                    api_key=self.cfg.inference.api_key,
+                )
                 self.router.add(Server(len(self.router.servers), client.base_url, client))
                 logger.info("server %s added to the job", url)
         for url in known - set(urls):

@@ -33,6 +33,7 @@ async def _evaluate(
     samples: int = 1,
     seed: int = 0,
     progress: bool = True,
+    api_key: str | None = None,
 ) -> dict:
     task = make_task(task_cfg)
     multi_turn = getattr(task, "multi_turn", False)
@@ -50,7 +51,7 @@ async def _evaluate(
             token_budget=task_cfg.episode_token_budget,
         )
     problems = held_out_problems(task, num_problems)
-    client = AsyncShimClient(url, token=token, timeout_s=120)
+    client = AsyncShimClient(url, token=token, timeout_s=120, api_key=api_key)
     limit = asyncio.Semaphore(64)
 
     async def greedy(problem) -> tuple[str, int]:
@@ -164,6 +165,7 @@ def evaluate_server(
     samples: int = 1,
     seed: int = 0,
     progress: bool = True,
+    api_key: str | None = None,
 ) -> dict:
     """{'accuracy', 'unparseable', 'problems', 'weight_version'} of greedy answers on the test split
     (greedy episodes for a multi-turn task, which needs `model_path` for its tokenizer), with
@@ -171,7 +173,17 @@ def evaluate_server(
     their final answer) and the samples' mean reward."""
     return asyncio.run(
         _evaluate(
-            url, task_cfg, num_problems, max_tokens, token, model_path, max_model_len, samples, seed, progress
+            url,
+            task_cfg,
+            num_problems,
+            max_tokens,
+            token,
+            model_path,
+            max_model_len,
+            samples,
+            seed,
+            progress,
+            api_key,
         )
     )
 
@@ -204,6 +216,7 @@ class RunEvaluations:
                     self.cfg.model_path,
                     inference.max_model_len,
                     progress=progress,
+                    api_key=inference.api_key,
                 )
             except Exception as err:  # the next server may answer
                 errors.append(f"{url}: {type(err).__name__}: {err}")

@@ -13,7 +13,8 @@ the same on every node) and starts only its own share. How the processes find ea
   * the weight group's master address (trainer.weight_address) = that same host's address;
   * gloo (and NCCL) use the interface `ifname` on every host (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME).
 Secrets come from the environment of every node: the operator exports the same PIPELINE_RL_TOKEN (the
-servers' control-route token) and PIPELINE_RL_REDIS_PASSWORD on each host (a scheduler's secret store,
+servers' control-route token), PIPELINE_RL_API_KEY (their /v1/* key: servers on a cluster network never
+serve generation unauthenticated) and PIPELINE_RL_REDIS_PASSWORD on each host (a scheduler's secret store,
 `export` from a file only the operator reads). Why not a file in a shared run dir: it would require the
 Redis node to start first and the others to wait for it, and a shared filesystem's permissions (NFS,
 root squash, other hosts' root) are not ours to trust. Each node then writes them to its own 0600
@@ -38,10 +39,11 @@ from pipeline_rl.launch.plan import NodeShare
 from pipeline_rl.launch.trainer_cmd import Rendezvous
 
 TOKEN_ENV = "PIPELINE_RL_TOKEN"
+API_KEY_ENV = "PIPELINE_RL_API_KEY"
 REDIS_PASSWORD_ENV = "PIPELINE_RL_REDIS_PASSWORD"
 # Set from the cluster file on every node; an override of one would make the nodes disagree.
 CLUSTER_KEYS = (
-    "inference.urls", "inference.num_servers", "inference.token", "trainer.num_processes",
+    "inference.urls", "inference.num_servers", "inference.token", "inference.api_key", "trainer.num_processes",
     "trainer.weight_address", "actor.num_actors", "num_preprocessors", "streams.redis_url",
     "streams.redis_bind", "placement.num_gpus",
 )  # fmt: skip
@@ -207,7 +209,7 @@ def cluster_config(
         raise ConfigError(
             "no run directory: set run_dir: in the cluster file, or run_dir=... (same on every node)"
         )
-    token, password = env.get(TOKEN_ENV), env.get(REDIS_PASSWORD_ENV)
+    token, api_key, password = env.get(TOKEN_ENV), env.get(API_KEY_ENV), env.get(REDIS_PASSWORD_ENV)
     uses_redis = cfg.streams.backend == "redis"
     redis_host = next((h for h in spec.hosts if h.redis_port is not None), None)
     if uses_redis and redis_host is None:
@@ -217,12 +219,16 @@ def cluster_config(
     if need_secrets:
         missing = [
             name
-            for name, v in ((TOKEN_ENV, token), (REDIS_PASSWORD_ENV, password or not uses_redis))
+            for name, v in (
+                (TOKEN_ENV, token),
+                (API_KEY_ENV, api_key),
+                (REDIS_PASSWORD_ENV, password or not uses_redis),
+            )
             if not v
         ]
         if missing:
             raise ConfigError(
-                f"{' and '.join(missing)} must be set on every node, with the same value everywhere (e.g. "
+                f"{', '.join(missing[:-1])}{' and ' if len(missing) > 1 else ''}{missing[-1]} must be set on every node, with the same value everywhere (e.g. "
                 "generated once with `openssl rand -hex 24` and handed out by your scheduler's secrets)"
             )
     rank0 = spec.trainer_hosts[0]
@@ -239,7 +245,7 @@ def cluster_config(
         run_dir=str(Path(run_dir).resolve()), num_preprocessors=sum(h.preprocessors for h in spec.hosts)
     )
     data["streams"] = streams.model_dump()
-    data["inference"].update(urls=urls, num_servers=len(urls), token=token)
+    data["inference"].update(urls=urls, num_servers=len(urls), token=token, api_key=api_key)
     data["actor"]["num_actors"] = sum(h.actors for h in spec.hosts)
     data["trainer"].update(
         num_processes=sum(h.trainer_ranks for h in spec.trainer_hosts), weight_address=rank0.address

@@ -17,8 +17,9 @@ seconds.
 
 Exposure: every listener of a single-host run is on 127.0.0.1 (servers, Redis, the trainer's
 rendezvous store and gloo sockets, vLLM's internal groups); on several hosts they bind the host's
-cluster address named in the cluster file, never a wildcard. Secrets (the control-route token, the
-Redis password) live in <node dir>/secrets/ (0700; files 0600), reach children through
+cluster address named in the cluster file, never a wildcard, and ask an API key of /v1/* callers (one
+made per run unless $PIPELINE_RL_API_KEY or inference.api_key gives it). Secrets (the control-route
+token, the API key, the Redis password) live in <node dir>/secrets/ (0700; files 0600), reach children through
 `load_run_config` or the child's environment, and never appear in argv, config.json, cmd/*.sh or logs.
 Pass a token of your own as $PIPELINE_RL_TOKEN rather than inference.token=... (argv is public).
 """
@@ -54,8 +55,11 @@ from pipeline_rl.streams.config import redact_url
 def _warn_public_secrets(overrides: list[str]) -> None:
     for override in overrides:
         key, _, value = override.partition("=")
-        if key == "inference.token" or (key == "streams.redis_url" and redact_url(value) != value):
-            hint = " (export PIPELINE_RL_TOKEN instead)" if key == "inference.token" else ""
+        env_var = {"inference.token": "PIPELINE_RL_TOKEN", "inference.api_key": "PIPELINE_RL_API_KEY"}.get(
+            key
+        )
+        if env_var or (key == "streams.redis_url" and redact_url(value) != value):
+            hint = f" (export {env_var} instead)" if env_var else ""
             print(
                 f"warning: {key} on the command line is visible to every local user (ps){hint}",
                 file=sys.stderr,

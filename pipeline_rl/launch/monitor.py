@@ -228,9 +228,9 @@ def final_server_states(urls: list[str], api_key: str | None = None) -> list[dic
     return states
 
 
-def record_servers_final(urls: list[str], run_dir: Path) -> None:
+def record_servers_final(urls: list[str], run_dir: Path, api_key: str | None = None) -> None:
     """final_server_states -> <run_dir>/servers_final.json, and one line on stdout."""
-    states = final_server_states(urls)
+    states = final_server_states(urls, api_key)
     (run_dir / "servers_final.json").write_text(json.dumps(states, indent=2) + "\n")
     versions = {s["url"]: s.get("weight_version", s.get("error")) for s in states}
     print(f"servers at the end: {versions}", flush=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from inference_shim.cli import cpu_engine_env
-from inference_shim.procs import free_port, serve_argv
+from inference_shim.procs import LOOPBACK_HOSTS, free_port, serve_argv
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError
 from pipeline_rl.launch.processes import ProcessSpec
@@ -219,7 +219,10 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         # The server listens on exactly the address of its URL, never on every interface.
         argv = serve_argv(cfg.model_path, port, host=host, backend=cfg.inference.backend, extra=engine)
         # The token travels in the environment, not in argv, where any user could read it with ps.
-        secret_env = {"PIPELINE_RL_TOKEN": cfg.inference.token or ""}
+        secret_env = {
+            "PIPELINE_RL_TOKEN": cfg.inference.token or "",
+            "PIPELINE_RL_API_KEY": cfg.inference.api_key or "",
+        }
         # vLLM-CPU binds its worker (the model's compute) to these cores itself; its API and scheduler
         # processes (about as much CPU as the model's forward at the demo's size: `python -m benchmarks
         # engine-profile`) then run on the trainer's core too while it waits (docs/decisions.md, Launcher).
@@ -269,6 +272,11 @@ def resolve(cfg: RunConfig, run_dir: Path, roles: set[str] | None = None) -> Run
         inference.num_servers = len(inference.urls)
     # $PIPELINE_RL_TOKEN before a generated one: a token given as inference.token=... sits in argv.
     inference.token = inference.token or os.environ.get("PIPELINE_RL_TOKEN") or secrets.token_hex(16)
+    # The same for the /v1/* key, made only when a server binds beyond loopback: a one-box run stays
+    # curl-able without one (docs/decisions.md, Exposure).
+    inference.api_key = inference.api_key or os.environ.get("PIPELINE_RL_API_KEY") or None
+    if inference.api_key is None and any(urlsplit(u).hostname not in LOOPBACK_HOSTS for u in inference.urls):
+        inference.api_key = secrets.token_hex(16)
     updates["inference"] = inference
     if cfg.streams.backend == "files" and cfg.streams.files_dir is None:
         updates["streams"] = cfg.streams.model_copy(update={"files_dir": run_dir / "streams"})

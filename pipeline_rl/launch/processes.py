@@ -33,7 +33,7 @@ _RECORDED_ENV_PREFIXES = (
     "NCCL_SOCKET_IFNAME",
 )
 # Never written into a command file, whatever the prefix: they are secrets.
-SECRET_ENV = frozenset({"PIPELINE_RL_TOKEN", "PIPELINE_RL_REDIS_PASSWORD"})
+SECRET_ENV = frozenset({"PIPELINE_RL_TOKEN", "PIPELINE_RL_API_KEY", "PIPELINE_RL_REDIS_PASSWORD"})
 
 
 @dataclass

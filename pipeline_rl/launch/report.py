@@ -190,6 +190,11 @@ def _ledger(run_dir: Path) -> dict:
         "dropped": ledger.dropped,
         "in_flight": len(ledger.in_flight),
         "duplicates_trained": ledger.duplicates_trained[:20],
+        # None where no location snapshot was taken (not a clean stop): not established
+        "located": ledger.located,
+        "abandoned": len(ledger.abandoned),
+        "lost": None if ledger.lost is None else len(ledger.lost),
+        "lost_ids": (ledger.lost or [])[:20],
     }
 
 

@@ -42,6 +42,7 @@ from pipeline_rl.eval.heldout import RunEvaluations
 from pipeline_rl.fleet import write_fleet
 from pipeline_rl.launch.cluster import REDIS_LINGER_S, wait_other_clients_off
 from pipeline_rl.launch.fleet_route import ServersChange
+from pipeline_rl.launch.locations import snapshot_locations
 from pipeline_rl.launch.monitor import record_servers_final
 from pipeline_rl.launch.plan import NodeShare, plan, print_plan
 from pipeline_rl.launch.processes import (
@@ -59,6 +60,7 @@ from pipeline_rl.launch.supervision import (
     describe_exit,
     restart_argv,
 )
+from pipeline_rl.ledger import record_exit
 from pipeline_rl.run_dir import has_checkpoint
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
@@ -82,6 +84,7 @@ class Launcher:
         self.monitor = None
         self.status_server = None
         self.stop_requested: str | None = None
+        self.trainer_stopped_as_asked = False  # max_wall_s: SIGTERM, checkpoint, stop
         self.evals = RunEvaluations(cfg, run_dir, write_rows=self._write_rows)
         self.trackers = None  # pipeline_rl.tracking.hub.Trackers, on the node with the trainer
         self.monitor_closed = False
@@ -255,9 +258,12 @@ class Launcher:
             if self._interrupted():
                 return
             states = []
+            # With the token: off loopback /debug/state answers the token holder only.
+            auth = {"Authorization": f"Bearer {self.cfg.inference.token}"}
             for url in self.cfg.inference.urls:
                 try:
-                    states.append(httpx.get(f"{url}/debug/state", timeout=2).json().get("group"))
+                    answer = httpx.get(f"{url}/debug/state", headers=auth, timeout=2)
+                    states.append(answer.raise_for_status().json().get("group"))
                 except (httpx.HTTPError, ValueError):
                     states.append(None)
             if all(states):
@@ -307,7 +313,7 @@ class Launcher:
             if trainer is not None and trainer.poll() == 0:
                 self._poll_streams()
                 print(f"trainer finished ({self.monitor.version} steps)", flush=True)
-                record_servers_final(self.servers_change.urls(), self.run_dir)
+                record_servers_final(self.servers_change.urls(), self.run_dir, self.cfg.inference.api_key)
                 return 0
             failed = self._check_processes()
             if failed is not None:
@@ -320,7 +326,12 @@ class Launcher:
                 trainer.signal(signal.SIGTERM)
                 if not trainer.wait(self.cfg.trainer.push_timeout_s + 60):
                     return self._fail(trainer, "did not stop after SIGTERM")
+                # Stopped as asked (its launcher relays the SIGTERM and exits non-zero for it): as clean
+                # an end as its last step.
+                self.trainer_stopped_as_asked = True
                 self._poll_streams()
+                if self.share.servers:
+                    record_servers_final(self.servers_change.urls(), self.run_dir, self.cfg.inference.api_key)
                 return 0
             if not run_over:
                 self._poll_streams()
@@ -351,6 +362,7 @@ class Launcher:
             code = unit.poll()
             if code is None or self.supervisor.pending(unit.name):
                 continue
+            self._record_exit(unit, code)
             if code == 0 or not self._restartable(unit):
                 return self._fail(unit, f"exited with code {describe_exit(code)}")
             try:
@@ -377,6 +389,26 @@ class Launcher:
                 unit.start(self.env)
                 print(f"restarted {name} (pid {unit.proc.pid}), log: logs/{name}.log", flush=True)
         return None
+
+    def _record_exit(self, unit: Child | RedisUnit, code: int | None) -> None:
+        """An unclean exit, for the ledger (its last generated group may be abandoned, not lost)."""
+        proc = getattr(unit, "proc", None)
+        if code != 0 and proc is not None and "trainer" in self.roles:
+            record_exit(self.run_dir, unit.name, proc.pid, code)
+
+    def _snapshot_locations(self) -> None:
+        """Where the untrained samples wait, for the ledger's positive accounting: at a clean stop only
+        (the trainer finished), with every producer and consumer stopped and the streams still up. A
+        node of several cannot see the others' processes stop, so a cluster run's report says not
+        established."""
+        trainer = next((c for c in self.children if c.spec.role == "trainer"), None)
+        finished = trainer is not None and (trainer.poll() == 0 or self.trainer_stopped_as_asked)
+        if not finished or self.share.cluster:
+            return
+        try:
+            snapshot_locations(self.cfg, self.run_dir)
+        except Exception as e:  # the report says "not established"; the run's own result stands
+            print(f"(could not snapshot where samples wait: {type(e).__name__}: {e})", file=sys.stderr)
 
     def _restartable(self, unit: Child | RedisUnit) -> bool:
         if self.supervisor.policy(unit.role) is None:
@@ -429,7 +461,12 @@ class Launcher:
             ("preprocessors", sup.stop_grace_s),
             ("servers", sup.stop_grace_s),
         ]:
-            stop_all([c for c in self.children if c.spec.role == role], grace_s=grace_s)
+            stopping = [c for c in self.children if c.spec.role == role]
+            running = [c for c in stopping if c.poll() is None]
+            stop_all(stopping, grace_s=grace_s)
+            for child in running:  # killed at the deadline, or died of the signal: an unclean exit
+                self._record_exit(child, child.poll())
+        self._snapshot_locations()
         if self.monitor is not None and not self.monitor_closed:
             try:
                 self.monitor.poll_streams()

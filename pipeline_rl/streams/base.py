@@ -128,6 +128,11 @@ class TopicStore(ABC):
     def backlog(self, group: str) -> int:
         """Entries `group` has not acknowledged: pending + not yet delivered (all entries if no such group)."""
 
+    @abstractmethod
+    def unacked(self, group: str) -> list[RawEntry]:
+        """The entries counted by backlog(group) themselves, pending first, then those not yet delivered
+        (where the ledger's accounting finds samples that wait in a stream)."""
+
     def total_written(self) -> int:
         """Entries ever appended to the topic, trimmed ones included (never decreases).
 
@@ -158,7 +163,7 @@ class _TopicHandle:
         """The newest well-formed message of the topic (cheap: reads from the end), or None."""
         for entry_id, payload in self._store.latest(8):
             try:
-                return Entry(entry_id, _decode(self._store, payload))
+                return Entry(entry_id, decode_entry(self._store, payload))
             except Exception as err:  # noqa: BLE001 - any undecodable entry is skipped, not fatal
                 # Not a consumer: report only; the topic's consumers dead-letter the entry.
                 logger.warning(
@@ -257,7 +262,7 @@ class _Reader(_TopicHandle):
         dead: list[DeadLetter] = []
         for entry_id, payload in raw:
             try:
-                good.append(Entry(entry_id, _decode(self._store, payload)))
+                good.append(Entry(entry_id, decode_entry(self._store, payload)))
             except Exception as err:  # noqa: BLE001 - bad data must never crash a consumer
                 logger.warning(
                     "streams: malformed entry %s on topic %r moved to %r: %s: %s",
@@ -417,7 +422,7 @@ class PositionalReader(_Reader):
         self._store.group_set_position(check_name(name, "reader name"), position or self._position)
 
 
-def _decode(store: TopicStore, payload: bytes | None) -> Message:
+def decode_entry(store: TopicStore, payload: bytes | None) -> Message:
     if payload is None:
         raise StreamsError("the entry's data was deleted from the stream while it was pending")
     data = store.decode(payload)

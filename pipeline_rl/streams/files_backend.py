@@ -413,6 +413,17 @@ class FilesTopicStore(TopicStore):
                 counts[p["consumer"]] = counts.get(p["consumer"], 0) + 1
             return counts
 
+    def unacked(self, group: str) -> list[RawEntry]:
+        state = self._load(self._state_path(group))
+        out = [(i, payload) for i, p in state["pending"].items() if (payload := self._read_at(p["start"]))]
+        offset = state["delivered"]
+        while True:
+            page = self._read_from(offset, 1000)
+            out += [(i, payload) for i, _, payload in page]
+            if len(page) < 1000:
+                return out
+            offset = int(page[-1][0])
+
     def backlog(self, group: str) -> int:
         if not self._state_path(group).exists():
             return self.length()

@@ -331,6 +331,33 @@ class RedisTopicStore(TopicStore):
                 return int(g["pending"]) + int(lag)
         return self.length()
 
+    def unacked(self, group: str) -> list[RawEntry]:
+        info = next((g for g in self._groups() if _s(g["name"]) == group), None)
+        if info is None:
+            return self._range_after("-")
+        pending, start = [], "-"
+        while True:
+            page = self._call(
+                "XPENDING", self._r.xpending_range, self._key, group, min=start, max="+", count=1000
+            )
+            pending += [_s(p["message_id"]) for p in page]
+            if len(page) < 1000:
+                break
+            start = f"({pending[-1]}"
+        out = []
+        for entry_id in pending:  # an id deleted from the stream since its delivery has no entry left
+            out += self._entries(self._call("XRANGE", self._r.xrange, self._key, entry_id, entry_id))
+        return out + self._range_after(f"({_s(info['last-delivered-id'])}")
+
+    def _range_after(self, start: str) -> list[RawEntry]:
+        out: list[RawEntry] = []
+        while True:
+            page = self._entries(self._call("XRANGE", self._r.xrange, self._key, start, "+", count=1000))
+            out += page
+            if len(page) < 1000:
+                return out
+            start = f"({page[-1][0]}"
+
     def _count_after(self, entry_id: str) -> int:
         total, start = 0, f"({entry_id}"
         while True:

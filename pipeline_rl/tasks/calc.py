@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline_rl.tasks import calculator
 from pipeline_rl.tasks.arith import ArithTask, parse_answer
 from pipeline_rl.tasks.base import Grade, Problem, Split
-from pipeline_rl.tasks.sandbox import ToolSpec, run_tool
+from pipeline_rl.tasks.sandbox import ToolSpec, check_sandbox, run_tool
 
 if TYPE_CHECKING:
     from pipeline_rl.tasks.config import TaskConfig
@@ -51,9 +51,18 @@ class CalcTask:
     worker_grade_fn = None
     multi_turn = True
 
-    def __init__(self, max_operand: int = 999, test_size: int = 200, tool_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        max_operand: int = 999,
+        test_size: int = 200,
+        tool_timeout_s: float = 5.0,
+        tool_network: str = "isolated",
+    ) -> None:
         self.arith = ArithTask(num_operands=2, max_operand=max_operand, operators="*", test_size=test_size)
-        self.tool = ToolSpec(path=Path(calculator.__file__), function="calc", timeout_s=tool_timeout_s)
+        self.tool = ToolSpec(
+            path=Path(calculator.__file__), function="calc", timeout_s=tool_timeout_s, network=tool_network
+        )
+        check_sandbox(self.tool)  # at start, in preflight and every actor: never a silent fallback
 
     def problems(self, shard_index: int, num_shards: int, seed: int, split: Split) -> Iterator[Problem]:
         return self.arith.problems(shard_index, num_shards, seed, split)
@@ -127,4 +136,4 @@ class CalcOptions(BaseModel):
 
 
 def make_task(options: CalcOptions, config: TaskConfig) -> CalcTask:
-    return CalcTask(options.max_operand, config.test_size, config.tool_timeout_s)
+    return CalcTask(options.max_operand, config.test_size, config.tool_timeout_s, config.tool_network)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -71,6 +71,11 @@ class TaskConfig(BaseModel):
     )
     tool_timeout_s: float = Field(
         default=5.0, gt=0, description="Multi-turn tasks: deadline of one tool call."
+    )
+    tool_network: Literal["isolated", "allowed"] = Field(
+        default="isolated",
+        description="Multi-turn tasks: isolated runs each tool call in an empty network namespace and "
+        "stops the run at start where the machine cannot give one; allowed shares the host's network.",
     )
     test_size: int = Field(
         default=200, ge=1, description="Held-out test problems (generated tasks; data without a test split)."

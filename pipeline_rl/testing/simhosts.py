@@ -186,18 +186,19 @@ class SimHost:
         port: int,
         *,
         token: str,
+        api_key: str,
         log_path: str | os.PathLike,
         env: Mapping[str, str] | None = None,
         extra: Sequence[str] = (),
     ) -> tuple[str, subprocess.Popen]:
         """An inference server (`python -m inference_shim`) bound to this host's address; (url, process).
 
-        A server on a non-loopback address must have a token; it goes in the environment, not argv.
-        The caller waits for /health from a host (see entered()).
+        A server on a non-loopback address must have a token (control routes) and an API key (/v1/*); they
+        go in the environment, not argv. The caller waits for /health from a host (see entered()).
         """
-        if not token:
-            raise ValueError("a server bound to a host address must be started with a token")
-        child_env = self.env(env, PYTHONUNBUFFERED="1", PIPELINE_RL_TOKEN=token)
+        if not token or not api_key:
+            raise ValueError("a server bound to a host address must be started with a token and an API key")
+        child_env = self.env(env, PYTHONUNBUFFERED="1", PIPELINE_RL_TOKEN=token, PIPELINE_RL_API_KEY=api_key)
         proc = self.run(serve_argv(model_dir, port, host=self.address, extra=extra), child_env, log_path)
         return f"http://{self.address}:{port}", proc
 

@@ -126,7 +126,7 @@ def test_every_architecture_trains_pushes_and_serves_its_final_weights(architect
     )
     assert architecture == "qwen3" or all(r["reward_mean"] is not None for r in evals), evals
     ledger = ledger_summary(run_dir)
-    assert ledger.balanced and not ledger.duplicates_trained, "\n".join(ledger.lines())
+    assert ledger.balanced and ledger.lost == [] and not ledger.duplicates_trained, "\n".join(ledger.lines())
     if architecture == "qwen3":  # its reward fails on some completions, each failure named
         dropped = [r for path in (run_dir / "ledger").glob("actor*.jsonl") for r in read_records(path)[0]]
         reasons = [r["detail"] for r in dropped if r.get("reason") == "reward_failed"]

@@ -98,7 +98,7 @@ def test_a_server_added_to_and_one_removed_from_a_running_job(launch_model, tmp_
     assert "restarted server0" not in output
     assert not sessions_alive(started_pids(output)), "processes left behind"
     ledger = ledger_summary(run_dir)
-    assert ledger.balanced and not ledger.duplicates_trained, "\n".join(ledger.lines())
+    assert ledger.balanced and ledger.lost == [] and not ledger.duplicates_trained, "\n".join(ledger.lines())
     states = json.loads((run_dir / "servers_final.json").read_text())
     assert [s["url"] for s in states] == [url], states
     assert_servers_on_the_final_weights(run_dir, STEPS, servers=1)

@@ -36,6 +36,8 @@ OK, WHY = available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=WHY)]
 
 TOKEN = "simhosts-token"
+API_KEY = "simhosts-api-key"
+V1 = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT_IDS = [1, 89, 87, 73, 86, 99, 21, 22, 15, 27, 33]
 SENDER = Path(__file__).parents[1] / "support" / "simhost_sender.py"
 TIMEOUT_S = 20.0  # the sender's deadline for every collective and result (and the servers' receive)
@@ -107,7 +109,9 @@ def deployment(tmp_path_factory):
         for i in range(2):
             env = {**os.environ, **own_core(i)}
             log_path = root / f"server{i}.log"
-            url, proc = c.start_server(models["base"], 8001 + i, token=TOKEN, log_path=log_path, env=env)
+            url, proc = c.start_server(
+                models["base"], 8001 + i, token=TOKEN, api_key=API_KEY, log_path=log_path, env=env
+            )
             servers.append((url, proc, log_path))
         with b.entered():
             for url, proc, log_path in servers:
@@ -124,7 +128,8 @@ def _reference(model_dir: Path, token_ids: list[int]) -> tuple[list[int], list[f
 
 def _state(d: Deployment, url: str) -> dict:
     with d.observer.entered():
-        return httpx.get(f"{url}/debug/state", timeout=10).json()
+        answer = httpx.get(f"{url}/debug/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        return answer.raise_for_status().json()
 
 
 def _assert_serves(d: Deployment, model: str, version: int) -> None:
@@ -133,12 +138,28 @@ def _assert_serves(d: Deployment, model: str, version: int) -> None:
     for url in d.urls:
         with d.observer.entered():
             assert httpx.get(f"{url}/health", timeout=10).json()["weight_version"] == version
-            choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+            answer = httpx.post(f"{url}/v1/completions", json=body, headers=V1, timeout=60)
+            choice = answer.raise_for_status().json()["choices"][0]
         tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
         ref_tokens, ref_logprobs = _reference(d.models[model], tokens)
         assert tokens == ref_tokens, f"{url} does not serve {model!r}"
         worst = max(abs(x - y) for x, y in zip(logprobs, ref_logprobs, strict=True))
         assert worst <= 1e-3, f"{url}: logprobs differ from {model!r} by {worst:.2e}"
+
+
+def test_servers_on_a_host_address_serve_v1_and_their_state_to_key_and_token_holders_only(deployment):
+    d = deployment
+    body = {"prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0}
+    for url in d.urls:
+        with d.observer.entered():
+            anonymous = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            keyed = httpx.post(f"{url}/v1/completions", json=body, headers=V1, timeout=60)
+            state = httpx.get(f"{url}/debug/state", timeout=10)
+            health, metrics = httpx.get(f"{url}/health", timeout=10), httpx.get(f"{url}/metrics", timeout=10)
+        assert anonymous.status_code == 401 and anonymous.json()["error"] == "unauthorized", anonymous.text
+        assert keyed.status_code == 200, keyed.text
+        assert state.status_code == 401, f"{url}/debug/state answered {state.status_code} without the token"
+        assert health.status_code == 200 and metrics.status_code == 200  # probes and scrapers stay open
 
 
 def test_push_from_one_host_reaches_both_servers_on_another(deployment):

@@ -22,7 +22,8 @@ from support.training import packages_by_batch, read_all
 
 from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl.config import RunConfig
-from pipeline_rl.ledger import ledger_dir, ledger_summary, read_records
+from pipeline_rl.launch.locations import snapshot_locations
+from pipeline_rl.ledger import LedgerWriter, ledger_dir, ledger_summary, read_records
 from pipeline_rl.messages import (
     DeadLetter,
     PreprocessorProgress,
@@ -288,6 +289,55 @@ def test_crash_between_partitions_leaves_an_incomplete_batch_that_is_redone(redi
     check_complete_batches(cfg, complete)
     ids = [i for batch in complete.values() for i in trained_sample_ids(batch)]
     assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)
+
+
+@pytest.mark.parametrize("backend", ["redis", "files"])
+def test_every_sample_not_trained_is_located_and_a_deleted_entry_is_named_lost(
+    backend, redis_server, tmp_path
+):
+    """Positive accounting (pipeline_rl/ledger.py) against a real Redis and the files backend: groups
+    the preprocessor packed wait in training_data/0 (no trainer read them), a group written after its
+    last poll waits undelivered in rollouts, and (Redis) a group deleted from rollouts between produce
+    and consume is named LOST by id, not counted as in flight."""
+    cfg = make_cfg(redis_server.url, tmp_path, ranks=1, batch_size=8)
+    if backend == "files":
+        files = {"backend": "files", "files_dir": str(tmp_path / "streams"), "redis_url": None}
+        cfg = cfg.model_copy(update={"streams": cfg.streams.model_copy(update=files)})
+    rng = random.Random(11)
+    actor = LedgerWriter(cfg.run_dir, "actor0-accounting")
+    actor.started()
+    writer = make_writer(cfg.streams, ROLLOUTS)
+
+    def produce(index: int) -> tuple[list[str], str]:
+        group = make_group(index, rng)
+        ids = [s.sample_id for s in group.samples]
+        actor.generated(group.group_id, ids)  # as the actor does: the ledger line, then the entry
+        return ids, writer.write(group)
+
+    # Whole batches of two groups each: five with one deleted (Redis), four (files).
+    produced = [produce(i) for i in range(5 if backend == "redis" else 4)]
+    lost = []
+    if backend == "redis":
+        import redis
+
+        lost, entry = produced[2]
+        assert redis.Redis.from_url(redis_server.url).xdel(f"{cfg.streams.run_name}:{ROLLOUTS}", entry) == 1
+    prep = Preprocessor(cfg, 0)
+    for _ in range(4):  # one batch (two groups) a poll
+        prep.poll(block_s=0.0)
+    waiting, _ = produce(9)  # after the last poll: undelivered
+    snapshot_locations(cfg, Path(cfg.run_dir))
+
+    summary = ledger_summary(cfg.run_dir)
+    packed = [i for k, (ids, _) in enumerate(produced) if k != 2 or backend == "files" for i in ids]
+    assert summary.located == {
+        f"{ROLLOUTS} (not acknowledged by the preprocessors)": len(waiting),
+        "training_data/0 (after its start)": len(packed),
+    }, "\n".join(summary.lines())
+    assert summary.lost == sorted(lost) and summary.abandoned == [], "\n".join(summary.lines())
+    assert summary.balanced == (not lost)
+    if lost:
+        assert f"LOST: {', '.join(sorted(lost))}" in "\n".join(summary.lines())
 
 
 def test_wrong_message_kind_goes_to_dead_letter(redis_server, tmp_path):

@@ -43,6 +43,7 @@ DEADLINE_S = 240  # the whole run (servers start, 2 trainer ranks, STEPS steps) 
 PROMPT_IDS = [1, 89, 87, 73, 86, 99, 21, 22, 15, 27, 33]
 SECRETS = {
     "PIPELINE_RL_TOKEN": "three-hosts-token-0123456789",
+    "PIPELINE_RL_API_KEY": "three-hosts-api-key-012345",
     "PIPELINE_RL_REDIS_PASSWORD": "three-hosts-redis-pw-0123",
 }
 RUN = [
@@ -153,10 +154,16 @@ def test_one_job_over_three_hosts(tmp_path):
         assert checkpoint is not None and read_state(checkpoint).step == STEPS, checkpoint
         urls = [f"http://{net['c'].address}:{port}" for port in (8001, 8002)]
         body = {"prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+        v1 = {"Authorization": f"Bearer {SECRETS['PIPELINE_RL_API_KEY']}"}
         for url in urls:
             with net["b"].entered():  # the check runs from another host, over the simulated link
                 assert httpx.get(f"{url}/health", timeout=10).json()["weight_version"] == STEPS
-                choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+                # On the cluster network generation needs the run's API key, the state its token.
+                anonymous = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                assert anonymous.status_code == 401, f"{url} served /v1/* without the key: {anonymous.text}"
+                assert httpx.get(f"{url}/debug/state", timeout=10).status_code == 401
+                answer = httpx.post(f"{url}/v1/completions", json=body, headers=v1, timeout=60)
+                choice = answer.raise_for_status().json()["choices"][0]
             tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
             ref_tokens, ref_logprobs = _reference(checkpoint / "model", tokens)
             assert tokens == ref_tokens, f"{url} does not serve the final checkpoint"
@@ -172,10 +179,7 @@ def test_one_job_over_three_hosts(tmp_path):
         assert summary["steps"] == STEPS, summary
         for name in "abc":
             config = (run_dir / "nodes" / name / "config.json").read_text()
-            assert (
-                SECRETS["PIPELINE_RL_TOKEN"] not in config
-                and SECRETS["PIPELINE_RL_REDIS_PASSWORD"] not in config
-            )
+            assert not any(secret in config for secret in SECRETS.values()), f"a secret in {name}'s config"
 
         stopped = time.monotonic()
         stop_process_tree(launchers["c"], grace_s=30.0)

@@ -150,7 +150,8 @@ def assert_servers_on_the_final_weights(run_dir: Path, steps: int, servers: int 
 def assert_clean_finish(
     proc: subprocess.Popen, output: str, run_dir: Path, steps: int, servers: int = 2
 ) -> None:
-    """The run exited 0 after `steps` steps, left no process, balanced its ledger, served the final weights."""
+    """The run exited 0 after `steps` steps, left no process, balanced its ledger with every untrained
+    sample located (positive accounting: lost = 0, established), served the final weights."""
     from pipeline_rl.ledger import ledger_summary
 
     assert proc.returncode == 0, output[-5000:]
@@ -159,4 +160,5 @@ def assert_clean_finish(
     ledger = ledger_summary(run_dir)
     assert ledger.trained and not ledger.duplicates_trained, "\n".join(ledger.lines())
     assert ledger.balanced, "\n".join(ledger.lines())
+    assert ledger.lost == [], "\n".join(ledger.lines())  # None: the clean stop took no snapshot
     assert_servers_on_the_final_weights(run_dir, steps, servers)

@@ -107,6 +107,22 @@ def test_servers_run_the_shim_with_the_token_in_their_environment(tmp_path):
         assert spec.secret_env["PIPELINE_RL_TOKEN"] == cfg.inference.token
         assert spec.argv[spec.argv.index("--host") + 1] == "127.0.0.1", "the URL's address, not a wildcard"
         assert spec.env["GLOO_SOCKET_IFNAME"] == "lo" or "GLOO_SOCKET_IFNAME" in os.environ
+    assert cfg.inference.api_key is None, "on loopback only, /v1/* stays open (plain curl)"
+
+
+def test_a_server_bound_off_loopback_gets_a_generated_api_key_through_its_environment(tmp_path, monkeypatch):
+    from pipeline_rl.launch.plan import plan, resolve
+
+    monkeypatch.delenv("PIPELINE_RL_API_KEY", raising=False)
+    cfg = resolve(config("inference.urls=[http://10.1.2.3:8001]"), tmp_path, {"servers"})
+    key = cfg.inference.api_key
+    assert key and len(key) >= 32 and key != cfg.inference.token
+    (spec,) = plan(cfg, tmp_path, {"servers"})
+    assert spec.secret_env["PIPELINE_RL_API_KEY"] == key and key not in " ".join(spec.argv)
+    monkeypatch.setenv("PIPELINE_RL_API_KEY", "operator-key")  # an operator's own key wins
+    assert (
+        resolve(config("inference.urls=[http://10.1.2.3:8001]"), tmp_path).inference.api_key == "operator-key"
+    )
 
 
 def _gpu_cfg(gpus: int, ranks: int, servers: int, *extra: str):
@@ -241,18 +257,20 @@ def test_secrets_stay_out_of_config_json_and_children_still_get_them(tmp_path):
     from pipeline_rl.launch.processes import ProcessSpec
     from pipeline_rl.launch.runner import Launcher
 
-    cfg = resolve(config("streams.redis_url=redis://:s3cret@127.0.0.1:7/0"), tmp_path, {"servers"})
+    overrides = ("streams.redis_url=redis://:s3cret@127.0.0.1:7/0", "inference.api_key=v1-k3y-secret")
+    cfg = resolve(config(*overrides), tmp_path, {"servers"})
     launcher = Launcher(cfg, tmp_path, local_share(cfg, {"servers"}))
     launcher.run_dir.mkdir(exist_ok=True)
     specs = launcher._prepare({"PATH": os.environ["PATH"]}, status_port=0)
     launcher.status_server.shutdown()
     launcher.monitor.close()
     public = (tmp_path / "config.json").read_text()
-    assert cfg.inference.token not in public and "s3cret" not in public
+    assert cfg.inference.token not in public and "s3cret" not in public and "v1-k3y-secret" not in public
     assert (tmp_path / "secrets").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "secrets" / "run.json").stat().st_mode & 0o777 == 0o600
     loaded = load_run_config(tmp_path / "config.json")
     assert loaded.inference.token == cfg.inference.token
+    assert loaded.inference.api_key == "v1-k3y-secret", "actors and evaluations read the key from secrets/"
     assert loaded.streams.redis_url == "redis://:s3cret@127.0.0.1:7/0"
     for spec in specs:
         assert isinstance(spec, ProcessSpec)
@@ -282,8 +300,13 @@ def test_cluster_file_gives_each_node_its_share_and_the_same_config(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(CLUSTER))
     spec = load_cluster(path)
-    env = {"PIPELINE_RL_TOKEN": "t" * 20, "PIPELINE_RL_REDIS_PASSWORD": "p" * 20}
+    env = {
+        "PIPELINE_RL_TOKEN": "t" * 20,
+        "PIPELINE_RL_API_KEY": "k" * 20,
+        "PIPELINE_RL_REDIS_PASSWORD": "p" * 20,
+    }
     cfg = cluster_config(spec, ["trainer.max_steps=3"], env, need_secrets=True)
+    assert cfg.inference.api_key == "k" * 20
     assert cfg.inference.urls == ["http://10.9.0.3:8001", "http://10.9.0.3:8002"]
     assert cfg.streams.redis_url == f"redis://:{'p' * 20}@10.9.0.1:6390/0"
     assert cfg.trainer.num_processes == 4 and cfg.trainer.weight_address == "10.9.0.1"
@@ -299,8 +322,12 @@ def test_cluster_file_gives_each_node_its_share_and_the_same_config(tmp_path):
     servers = [s for s in plan(cfg, tmp_path, c) if s.role == "servers"]
     assert [s.argv[s.argv.index("--host") + 1] for s in servers] == ["10.9.0.3", "10.9.0.3"]
     assert all(s.env["GLOO_SOCKET_IFNAME"] == "eth0" for s in servers)
+    # The key reaches the servers through the environment, never argv or a command file.
+    assert all(s.secret_env["PIPELINE_RL_API_KEY"] == "k" * 20 and "k" * 20 not in s.argv for s in servers)
 
-    with pytest.raises(ConfigError, match="PIPELINE_RL_TOKEN and PIPELINE_RL_REDIS_PASSWORD must be set"):
+    with pytest.raises(
+        ConfigError, match="PIPELINE_RL_TOKEN, PIPELINE_RL_API_KEY and PIPELINE_RL_REDIS_PASSWORD must be set"
+    ):
         cluster_config(spec, [], {}, need_secrets=True)
     with pytest.raises(ConfigError, match="set by the cluster file"):
         cluster_config(spec, ["actor.num_actors=5"], env, need_secrets=True)

@@ -1,5 +1,6 @@
 """The sample ledger (pipeline_rl/ledger.py) on real files: balance, torn lines left by a killed writer,
-samples trained twice, rewinds of a resumed trainer, and a writer SIGKILLed in the middle of its work."""
+samples trained twice, rewinds of a resumed trainer, a writer SIGKILLed in the middle of its work, and
+the positive accounting (located, held, abandoned, lost, not established)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pipeline_rl.ledger import (
     LedgerWriter,
     ledger_dir,
     ledger_summary,
+    record_exit,
+    write_locations,
 )
 
 
@@ -123,3 +126,38 @@ def test_an_empty_or_missing_ledger_is_balanced(tmp_path):
     s = ledger_summary(tmp_path / "nothing")
     assert (s.generated, s.files, s.balanced) == (0, 0, True)
     assert json.loads(json.dumps(s.as_dict()))["balanced"] is True  # serializable for tools
+
+
+def test_every_untrained_sample_is_located_abandoned_or_named_lost(tmp_path):
+    dead = LedgerWriter(tmp_path, "actor0-dead")  # an incarnation the launcher saw killed
+    dead.append({"event": "start", "pid": 4242})
+    for g in ("0-dead:0", "0-dead:1"):
+        dead.generated(g, _ids(g))
+    live = LedgerWriter(tmp_path, "actor1-live")
+    live.started()
+    for g in ("1-live:0", "1-live:1", "1-live:2", "1-live:3"):
+        live.generated(g, _ids(g))
+    trainer = LedgerWriter(tmp_path, "trainer")
+    trainer.trained(1, _ids("0-dead:0") + _ids("1-live:0"))
+    # Without a snapshot nothing is called located or lost, and the report says why.
+    before = ledger_summary(tmp_path)
+    assert before.lost is None and before.located is None and before.balanced
+    assert any("not established" in line for line in before.lines())
+
+    prep = LedgerWriter(tmp_path, "prep0-x")
+    prep.held("preprocessor 0 (open batch)", _ids("1-live:2")[:2])
+    prep.held("preprocessor 0 (open batch)", _ids("1-live:2"))  # the newest held line replaces it
+    write_locations(tmp_path, {"rollouts (not acknowledged)": _ids("1-live:1")}, unknown=[])
+    record_exit(tmp_path, "actor0", 4242, -9)
+    summary = ledger_summary(tmp_path)
+    assert summary.located == {"rollouts (not acknowledged)": 4, "preprocessor 0 (open batch)": 4}
+    assert summary.abandoned == _ids("0-dead:1"), "the killed incarnation's last group, not lost"
+    assert summary.lost == _ids("1-live:3") and not summary.balanced
+    text = "\n".join(summary.lines())
+    assert "lost 4" in text and "LOST: 1-live:3/0" in text and "abandoned 4" in text, text
+
+    # A place the snapshot could not read may hold the rest: lost is then not established.
+    write_locations(tmp_path, {"rollouts (not acknowledged)": _ids("1-live:1")}, unknown=["rollouts: down"])
+    partial = ledger_summary(tmp_path)
+    assert partial.lost is None and partial.balanced
+    assert "not established: rollouts: down" in "\n".join(partial.lines())

@@ -60,11 +60,15 @@ def test_check_generation_refuses_each_limit_with_400():
         assert e.value.status == 400 and e.value.error == "limit_exceeded" and "--max-" in e.value.detail
 
 
-def test_serve_config_refuses_a_network_bind_without_token():
+def test_serve_config_refuses_a_network_bind_without_token_or_api_key():
     ServeConfig(host="127.0.0.1")
-    ServeConfig(host="10.0.0.5", token="t")
+    assert ServeConfig(host="10.0.0.5", token="t", api_key="k").exposed
+    assert not ServeConfig(host="127.0.0.1").exposed
     with pytest.raises(ValueError, match="set a token"):
-        ServeConfig(host="0.0.0.0")
+        ServeConfig(host="0.0.0.0", api_key="k")
+    with pytest.raises(ValueError, match=r"serve generation \(/v1/\*\) to anyone.*PIPELINE_RL_API_KEY"):
+        ServeConfig(host="10.0.0.5", token="t")
+    ServeConfig(host="10.0.0.5", token="t", allow_open_v1=True)  # the explicit opt-out, behind a gateway
 
 
 # ---------------------------------------------------------------------------------------------- gate

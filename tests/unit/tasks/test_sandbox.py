@@ -1,24 +1,31 @@
 """Tools run by episodes, in their sandbox, each fault caused for real: a tool that spins, sleeps,
-allocates 1 GB, opens a connection to a listening port, raises, or gets arguments it does not take. Each
-comes back as an observation (ToolResult.ok false, a message for the model) within its deadline.
+allocates 1 GB, opens a connection to a listening port, writes outside its directory, raises, or gets
+arguments it does not take. Each comes back as an observation (ToolResult.ok false, a message for the
+model) within its deadline; a machine without the namespaces stops the task at start.
 
-    .venv/bin/python -m pytest -q tests/unit/test_sandbox.py
+    .venv/bin/python -m pytest -q tests/unit/tasks/test_sandbox.py
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import pipeline_rl.tasks.calculator as calculator
-from pipeline_rl.tasks.sandbox import ToolSpec, network_isolated, run_tool
+from pipeline_rl.tasks.sandbox import NOBODY, ToolSpec, network_isolated, run_tool
+
+REPO = Path(__file__).resolve().parents[3]
 
 EVIL = """
-import socket, time
+import os, socket, time
 def connect(port):
     socket.create_connection(("127.0.0.1", port), timeout=1)
     return "connected"
@@ -31,6 +38,16 @@ def hog():
     return len(bytearray(10**9))
 def boom():
     raise RuntimeError("kaput")
+def write(paths):
+    written = []
+    for path in paths:
+        try:
+            with open(path, "w") as f:
+                f.write("escaped")
+            written.append(path)
+        except OSError:
+            pass
+    return repr((written, os.listdir("."), os.getuid(), os.environ["HOME"] == os.getcwd()))
 """
 
 
@@ -80,3 +97,52 @@ def test_a_tool_has_no_network(tmp_path):
     finally:
         listener.close()
     assert not result.ok and "OSError" in result.output
+
+
+def test_a_tool_writes_only_in_its_own_empty_directory(tmp_path):
+    """Every write outside the call's directory fails (the tool's own directory, /tmp, /dev/shm, the
+    checkout, $HOME of the actor); inside it works; the directory starts empty and is gone after."""
+    (tmp_path / "evil.py").write_text(EVIL)
+    tmp_path.chmod(0o777)  # writable by anyone: only the sandbox stands between the tool and it
+    outside = [tmp_path / "escaped.txt", Path("/tmp") / f"prl-escape-{os.getpid()}", REPO / "escaped.txt"]
+    outside += [Path("/dev/shm") / f"prl-escape-{os.getpid()}"] if Path("/dev/shm").is_dir() else []
+    outside += [Path.home() / f"prl-escape-{os.getpid()}"]
+    before = {p for p in Path("/tmp").iterdir() if p.name.startswith("prl-tool-")}
+    spec = ToolSpec(path=tmp_path / "evil.py", function="write", timeout_s=5)
+    try:
+        result, _ = _run(spec, {"paths": [*map(str, outside), "inside.txt"]})
+        assert result.ok, result.output
+        written, listing, uid, home_is_cwd = eval(result.output)  # the tool's repr of plain values
+        assert written == ["inside.txt"] and listing == ["inside.txt"] and home_is_cwd, result.output
+        assert not [p for p in outside if p.exists()], "a sandboxed tool wrote outside its directory"
+        if os.geteuid() == 0:
+            assert uid == NOBODY, "a root actor's tools run as nobody"
+    finally:
+        for p in outside:
+            p.unlink(missing_ok=True)
+    after = {p for p in Path("/tmp").iterdir() if p.name.startswith("prl-tool-")}
+    assert after <= before, "the call's directory outlived the call"
+
+
+def test_a_machine_without_the_sandbox_stops_a_tool_task_at_start(tmp_path):
+    """No `unshare` on PATH (a real absence, not a mock): building the calc task fails, naming the fix,
+    for the default tool_network=isolated and for allowed (files are confined either way)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(shutil.which("true"), bin_dir / "true")
+    code = (
+        "from pipeline_rl.tasks import make_task\n"
+        "from pipeline_rl.tasks.config import TaskConfig\n"
+        "for network in ('isolated', 'allowed'):\n"
+        "    try:\n"
+        "        make_task(TaskConfig(name='calc', tool_network=network))\n"
+        "    except Exception as e:\n"
+        "        print(network, type(e).__name__, e)\n"
+    )
+    env = {**os.environ, "PATH": str(bin_dir), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert set(lines) == {"isolated", "allowed"}, done.stdout + done.stderr[-2000:]
+    for network, words in (("isolated", "task.tool_network=allowed"), ("allowed", "a mount namespace")):
+        assert lines[network].startswith("SandboxUnavailable") and words in lines[network], lines[network]
+        assert "user namespaces" in lines[network]
