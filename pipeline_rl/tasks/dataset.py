@@ -239,14 +239,8 @@ def make_gsm8k(options: Gsm8kOptions, config: TaskConfig) -> DatasetTask:
     return DatasetTask(dataset, config.dataset_path, config.test_size, name="gsm8k")
 
 
-class MathOptions(BaseModel):
+class MathOptions(Gsm8kOptions):
     """`task=math`: MATH's rows (`problem`, and `answer` or a `solution` with a final \\boxed{})."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    system_prompt: str | None = Field(
-        default=None, description="A system message before the user's, or none."
-    )
 
 
 def make_math(options: MathOptions, config: TaskConfig) -> DatasetTask:
