@@ -47,7 +47,7 @@ def write(paths):
             written.append(path)
         except OSError:
             pass
-    return repr((written, os.listdir("."), os.getuid(), os.environ["HOME"] == os.getcwd()))
+    return repr((written, os.listdir("."), os.getuid(), os.environ["HOME"] == os.getcwd(), os.getcwd()))
 """
 
 
@@ -107,12 +107,11 @@ def test_a_tool_writes_only_in_its_own_empty_directory(tmp_path):
     outside = [tmp_path / "escaped.txt", Path("/tmp") / f"prl-escape-{os.getpid()}", REPO / "escaped.txt"]
     outside += [Path("/dev/shm") / f"prl-escape-{os.getpid()}"] if Path("/dev/shm").is_dir() else []
     outside += [Path.home() / f"prl-escape-{os.getpid()}"]
-    before = {p for p in Path("/tmp").iterdir() if p.name.startswith("prl-tool-")}
     spec = ToolSpec(path=tmp_path / "evil.py", function="write", timeout_s=5)
     try:
         result, _ = _run(spec, {"paths": [*map(str, outside), "inside.txt"]})
         assert result.ok, result.output
-        written, listing, uid, home_is_cwd = eval(result.output)  # the tool's repr of plain values
+        written, listing, uid, home_is_cwd, cwd = eval(result.output)  # the tool's repr of plain values
         assert written == ["inside.txt"] and listing == ["inside.txt"] and home_is_cwd, result.output
         assert not [p for p in outside if p.exists()], "a sandboxed tool wrote outside its directory"
         if os.geteuid() == 0:
@@ -120,8 +119,8 @@ def test_a_tool_writes_only_in_its_own_empty_directory(tmp_path):
     finally:
         for p in outside:
             p.unlink(missing_ok=True)
-    after = {p for p in Path("/tmp").iterdir() if p.name.startswith("prl-tool-")}
-    assert after <= before, "the call's directory outlived the call"
+    box = Path(cwd).parent  # prl-tool-*: the call's work/ and its mount point
+    assert box.name.startswith("prl-tool-") and not box.exists(), f"{box} outlived the call"
 
 
 def test_a_machine_without_the_sandbox_stops_a_tool_task_at_start(tmp_path):
