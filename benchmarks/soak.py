@@ -67,6 +67,10 @@ FAULT_SETTINGS = [
 ]
 
 
+def servers_needed(ctx: BenchContext) -> list:
+    return []  # the run starts its own servers through the launcher
+
+
 @dataclass
 class Fault:
     at_s: float  # planned, from the run's start
