@@ -19,6 +19,7 @@ over several simulated hosts (tests/integration/test_multihost_push.py covers a 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -187,8 +188,6 @@ def fire(run: LaunchedRun, fault: Fault, rng: random.Random, counts: dict[str, i
 
 
 def _killpg(pid: int, sig: int) -> None:
-    import os
-
     os.killpg(pid, sig)
 
 

@@ -17,11 +17,10 @@ from pathlib import Path
 from pipeline_rl.config import RunConfig
 from pipeline_rl.ledger import write_locations
 from pipeline_rl.messages import RolloutGroup, TrainingPackage
+from pipeline_rl.preprocess.main import GROUP as PREPROCESS_GROUP
 from pipeline_rl.preprocess.ops import is_padding
 from pipeline_rl.streams import ROLLOUTS, open_store, training_partition
 from pipeline_rl.streams.base import decode_entry
-
-PREPROCESS_GROUP = "preprocess"  # pipeline_rl.preprocess.main.GROUP, without importing the role
 
 
 def _package_ids(package: TrainingPackage) -> list[str]:
