@@ -20,6 +20,11 @@ from pathlib import Path
 
 FLEET_FILE = "fleet.json"
 
+# Set by the launcher on the trainer it starts together with the servers: until this time (epoch
+# seconds) the trainer waits for each server to be healthy before it forms the weight group. A trainer
+# restarted later gets none and joins at once, leaving a server that is down out until it answers.
+SERVERS_STARTING_UNTIL_ENV = "PIPELINE_RL_SERVERS_STARTING_UNTIL"
+
 
 def fleet_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / FLEET_FILE

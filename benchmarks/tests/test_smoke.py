@@ -548,14 +548,14 @@ def test_warmup_seeds_a_killed_worker_fails_its_warmup_and_the_other_finishes(tm
     import psutil
 
     doc, out, log = tmp_path / "bench.md", tmp_path / "out", tmp_path / "bench.log"
-    args = ["warmup-seeds", "--quick", "--seeds", "1", "--first-seed", "4", "--warmup-steps", "50"]
+    args = ["warmup-seeds", "--quick", "--seeds", "1", "--first-seed", "4", "--warmup-steps", "30"]
     cmd = [sys.executable, "-m", "benchmarks", *args, "--doc", str(doc), "--out-dir", str(out)]
     cmd += ["--results-dir", str(tmp_path / "results")]
     proc = start_child(cmd, log_path=log, cwd=REPO)
     try:
-        # Two jobs on two workers: both are inside a warm-up once one has printed its step 25 of 50.
+        # Two jobs on two workers: both are inside a warm-up once one has printed its step 25 of 30.
         deadline = time.monotonic() + 300
-        while "warm-up step 25/50" not in log.read_text(errors="replace"):
+        while "warm-up step 25/30" not in log.read_text(errors="replace"):
             assert proc.poll() is None, f"the bench exited early:\n{log_tail(log, 60)}"
             assert time.monotonic() < deadline, f"no warm-up reached step 25 in 300 s:\n{log_tail(log, 60)}"
             time.sleep(0.5)
@@ -576,5 +576,5 @@ def test_warmup_seeds_a_killed_worker_fails_its_warmup_and_the_other_finishes(tm
     ]
     assert "exit code -9" in saved["failures"][0], saved["failures"]
     finished = [r for rows in saved["runs"].values() for r in rows]
-    assert len(finished) == 1 and finished[0]["steps"] == 50 and finished[0]["seed"] == 4, saved["runs"]
+    assert len(finished) == 1 and finished[0]["steps"] == 30 and finished[0]["seed"] == 4, saved["runs"]
     assert "1 run(s) failed and are left out" in doc.read_text()

@@ -166,6 +166,7 @@ def stop_all(children: list[Child], grace_s: float = 10.0) -> None:
 
 def wait_all_healthy(children: list[Child], deadline_s: float) -> None:
     """Wait until every child with a URL answers /health; raise naming the first that died or is late.
+    A child without a URL that exits meanwhile (the trainer starts with the servers) fails the wait too.
 
     The children start together, so waiting for them in turn costs no time; a later child that dies
     early is named once the earlier ones are up (or late).
@@ -174,12 +175,20 @@ def wait_all_healthy(children: list[Child], deadline_s: float) -> None:
     for child in children:
         if child.spec.url is None or child.proc is None:
             continue
-        try:
-            procs.wait_healthy(child.spec.url, max(0.0, deadline - time.monotonic()), child.proc)
-        except RuntimeError:
-            raise ChildFailed(child, f"exited with code {child.poll()} while starting") from None
-        except TimeoutError:
-            raise ChildFailed(child, f"not healthy after {deadline_s:.0f}s") from None
+        while True:
+            for other in children:
+                if other.spec.url is None and other.proc is not None and other.poll() is not None:
+                    raise ChildFailed(other, f"exited with code {other.poll()} while the servers started")
+            try:
+                procs.wait_healthy(
+                    child.spec.url, min(2.0, max(0.0, deadline - time.monotonic())), child.proc
+                )
+                break
+            except RuntimeError:
+                raise ChildFailed(child, f"exited with code {child.poll()} while starting") from None
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise ChildFailed(child, f"not healthy after {deadline_s:.0f}s") from None
 
 
 class ChildFailed(RuntimeError):

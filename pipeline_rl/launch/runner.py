@@ -39,7 +39,7 @@ import httpx
 from inference_shim.procs import wait_healthy
 from pipeline_rl.config import RunConfig, public_config, secret_fields
 from pipeline_rl.eval.heldout import RunEvaluations
-from pipeline_rl.fleet import write_fleet
+from pipeline_rl.fleet import SERVERS_STARTING_UNTIL_ENV, write_fleet
 from pipeline_rl.launch.cluster import REDIS_LINGER_S, wait_other_clients_off
 from pipeline_rl.launch.fleet_route import ServersChange
 from pipeline_rl.launch.locations import snapshot_locations
@@ -106,13 +106,20 @@ class Launcher:
             specs = self._prepare(env, status_port)
             by_role = {role: [s for s in specs if s.role == role] for role in ("servers", "trainer")}
             self._start(by_role["servers"], env)
+            # The trainer's start-up (imports, model, optimizer) overlaps the engines'; it waits for the
+            # servers itself before it forms the weight group. Not when it shares their GPUs: an engine
+            # sizes its KV cache by the memory free while it starts.
+            early = not self.cfg.placement.colocate
+            if early:
+                self._start(by_role["trainer"], {**env, SERVERS_STARTING_UNTIL_ENV: str(self._servers_due())})
             wait_all_healthy(self.children, self.cfg.inference.startup_timeout_s)
             self._wait_peers()
             if self._interrupted():
                 return 130
             if self.share.evaluates and not self.resuming:  # resuming: servers wait for the trainer
                 self.evals.evaluate("before")
-            self._start(by_role["trainer"], env)
+            if not early:
+                self._start(by_role["trainer"], env)
             if self.share.trainer or self.share.actors:
                 self._wait_trainer_joined()
             self._start([s for s in specs if s.role in ("preprocessors", "actors")], env)
@@ -203,6 +210,12 @@ class Launcher:
             "weight_group": {k: trainer.get(k) for k in membership},  # as of the trainer's last step
             "job_servers": self.servers_change.urls(),
         }
+
+    def _servers_due(self) -> float:
+        """When (epoch seconds) every server must be up: the start-up deadline, twice on several hosts
+        (another node's servers start when that node's launcher does)."""
+        timeout_s = self.cfg.inference.startup_timeout_s
+        return time.time() + (2 * timeout_s if self.share.cluster else timeout_s)
 
     def _wait_redis(self) -> None:
         import redis

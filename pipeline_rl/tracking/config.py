@@ -57,6 +57,13 @@ class TrackingConfig(BaseModel):
         description="Rows waiting for the trackers; beyond it rows are dropped (counted, said at the end) "
         "rather than slowing the launcher.",
     )
+    flush_every_s: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="How often metrics reach the trackers: the trainer's values at each of its steps, and "
+        "the last value of every other key at the latest step (stats.jsonl has every value).",
+    )
     close_timeout_s: float = Field(
         120.0, gt=0, description="At the end of the run: how long the trackers get to flush and close."
     )

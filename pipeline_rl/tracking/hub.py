@@ -10,6 +10,12 @@ dropped and counted), and one thread opens the sinks, turns rows into metrics an
 that raises is logged once, with the error, and left out for the rest of the run: training never stops
 for a tracker, and stats.jsonl keeps every value anyway.
 
+Metrics are coalesced before they reach a sink, once per tracking.flush_every_s: the trainer's values
+at each of its steps, and the last value of every other key (actors, preprocessors, servers, weight
+versions) at the latest step, in one call per step. A tracker's cost then follows the trainer's steps,
+not the rows (a preprocessor reports after every group, many times a second), and a tracker stores per
+point (MLflow's store: about a millisecond each). Evaluations are never merged: each is its own call.
+
 What a row becomes (one name scheme for every sink): a `stats` row of source S gives `S/<key>` for
 each number (trainer/loss, actor0/reward_mean, ...) at the trainer's step (the trainer's own rows carry
 it; the others get the latest step seen); a version event gives weights/*; a preprocessor row
@@ -86,6 +92,8 @@ class Trackers:
         self.step = 0  # the latest trainer step seen
         self._samples: list[list] = []
         self._samples_bucket: int | None = None
+        self._pending: dict[int, tuple[dict[str, float], float]] = {}  # step -> (values, latest wall time)
+        self._latest: tuple[dict[str, float], float] = ({}, 0.0)  # the other sources' last values, time
         self._queue: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
         self._thread = threading.Thread(target=self._work, name="trackers", daemon=True)
 
@@ -141,8 +149,17 @@ class Trackers:
 
     # -- the trackers' thread ----------------------------------------------------------------------
     def _work(self) -> None:
+        next_flush = time.monotonic() + self.cfg.flush_every_s
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=max(0.0, next_flush - time.monotonic()))
+            except queue.Empty:
+                item = None
+            if time.monotonic() >= next_flush:
+                self._flush_scalars()
+                next_flush = time.monotonic() + self.cfg.flush_every_s
+            if item is None:
+                continue
             kind = item[0]
             if kind == "open":
                 self._each("open", self.run)
@@ -152,9 +169,11 @@ class Trackers:
             elif kind == "servers":
                 self._servers(item[1], item[2])
             elif kind == "finish":
+                self._flush_scalars()
                 self._flush_samples()
                 self._each("finish", item[1], [p for p in item[2] if Path(p).is_file()])
             elif kind == "close":
+                self._flush_scalars()
                 self._each("close")
                 return
 
@@ -176,33 +195,55 @@ class Trackers:
                     pass
 
     def _scalars(self, values: dict[str, float], step: int, wall_time: float) -> None:
+        """The trainer's values at their step, sent at the next flush."""
         if values:
+            merged, latest = self._pending.get(step, ({}, wall_time))
+            merged.update(values)
+            self._pending[step] = (merged, max(latest, wall_time))
+
+    def _latest_values(self, values: dict[str, float], wall_time: float) -> None:
+        """Another source's values: the last of each key is sent at the next flush, at the latest step."""
+        merged, latest = self._latest
+        merged.update(values)
+        self._latest = (merged, max(latest, wall_time))
+
+    def _flush_scalars(self) -> None:
+        values, wall_time = self._latest
+        if values:
+            self._scalars(values, self.step, wall_time)
+            self._latest = ({}, 0.0)
+        for step in sorted(self._pending):
+            values, wall_time = self._pending[step]
             self._each("scalars", values, step, wall_time)
+        self._pending = {}
 
     def _row(self, row: dict) -> None:
         kind, wall_time = row.get("type"), row.get("time") or time.time()
         if kind == "stats":
             source = row.get("source", "unknown")
             values = _numbers(row, skip=("time", "type", "source"))
+            named = {f"{source}/{k}": v for k, v in values.items()}
             if source == "trainer" and "step" in values:
                 self.step = max(self.step, int(values["step"]))
-                step = int(values["step"])  # a resumed trainer redoes steps: they land at their own step
+                # a resumed trainer redoes steps: they land at their own step
+                self._scalars(named, int(values["step"]), wall_time)
             else:
-                step = self.step
-            self._scalars({f"{source}/{k}": v for k, v in values.items()}, step, wall_time)
+                self._latest_values(named, wall_time)
         elif kind == "version":
             self.step = max(self.step, int(row.get("step", 0)))
             values = _numbers(row, skip=("time", "type"))
             if isinstance(row.get("servers"), list):
                 values["servers"] = float(len(row["servers"]))
-            self._scalars({f"weights/{k}": v for k, v in values.items()}, self.step, wall_time)
+            self._latest_values({f"weights/{k}": v for k, v in values.items()}, wall_time)
         elif kind == "preprocessor":
             name = str(row.get("preprocessor_id", "preprocessor"))
             values = _numbers(row, skip=("time", "type"))
-            self._scalars({f"{name}/{k}": v for k, v in values.items()}, self.step, wall_time)
-        elif kind == "eval":
+            self._latest_values({f"{name}/{k}": v for k, v in values.items()}, wall_time)
+        elif kind == "eval":  # never merged: what came before goes first, then this evaluation alone
             values = _numbers(row, skip=("time", "type"))
-            self._scalars({f"eval/{k}": v for k, v in values.items()}, self.step, wall_time)
+            self._flush_scalars()
+            if values:
+                self._each("scalars", {f"eval/{k}": v for k, v in values.items()}, self.step, wall_time)
         elif kind == "sample":
             self._sample(row)
 
@@ -212,7 +253,7 @@ class Trackers:
             values[f"server{i}/up"] = 1.0 if state.get("status") == "ok" else 0.0
             if isinstance(state.get("weight_version"), int):
                 values[f"server{i}/weight_version"] = float(state["weight_version"])
-        self._scalars(values, self.step, wall_time)
+        self._latest_values(values, wall_time)
 
     def _sample(self, row: dict) -> None:
         every = self.cfg.samples_every_steps
@@ -239,6 +280,7 @@ class Trackers:
 
     def _flush_samples(self) -> None:
         if self._samples and self._samples_bucket is not None:
+            self._flush_scalars()  # a tracker's history stays in step order
             step = self._samples_bucket * self.cfg.samples_every_steps
             self._each("table", "samples", list(SAMPLE_COLUMNS), self._samples, step)
         self._samples = []

@@ -41,6 +41,7 @@ In every case the trainer announces a version only once every member serves it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -48,13 +49,14 @@ from collections.abc import Callable
 import torch
 
 from inference_shim.client import ShimClient, ShimError, answers_http, leave_weight_group
+from inference_shim.procs import wait_healthy
 from inference_shim.weight_sender import (
     PushReport,
     WeightPushError,
     WeightSender,
 )
 from pipeline_rl.config import RunConfig
-from pipeline_rl.fleet import FleetWatch
+from pipeline_rl.fleet import SERVERS_STARTING_UNTIL_ENV, FleetWatch
 from pipeline_rl.trainer.dist import Comm, RankFailure
 from pipeline_rl.trainer.model import weight_metas
 from pipeline_rl.trainer.strategies import Strategy
@@ -101,6 +103,7 @@ class WeightPublisher:
 
     def _connect_main(self) -> None:
         t = self.cfg.trainer
+        self._wait_servers_started()
         if t.eject_failed_servers:
             # A server that is down now (or cannot leave a dead trainer's group yet) joins later.
             self.members = self._release(self.urls, t.push_timeout_s)
@@ -129,6 +132,20 @@ class WeightPublisher:
         # joining must not decide that by chance.
         self._restore_after_rebuild = False
         log.info("weight group joined with %d server(s): %s", len(self.members), self.members)
+
+    def _wait_servers_started(self) -> None:
+        """The launcher starts the trainer while its servers start (the model load overlaps the engine's
+        start-up), with the time by which they must be up: until then, wait for each to answer /health
+        with 200, so the group forms with every server. One still not up is then handled as a down server
+        is (left out and admitted when it answers, or the join fails)."""
+        until = float(os.environ.get(SERVERS_STARTING_UNTIL_ENV) or 0)
+        if until <= time.time():  # a trainer restarted later: a down server is left out, not waited for
+            return
+        for url in self.urls:
+            try:
+                wait_healthy(url, max(0.0, until - time.time()))
+            except TimeoutError:
+                log.warning("%s not healthy by the servers' start-up deadline: joining without it", url)
 
     def push(
         self,

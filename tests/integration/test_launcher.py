@@ -39,6 +39,12 @@ def test_end_to_end_run(launch_model, tmp_path, mode, engine):
     assert proc.returncode == 0, output[-4000:]
     assert not sessions_alive(started_pids(output)), "processes left behind"
 
+    # The trainer starts with the servers (its start-up overlaps theirs) unless it shares their devices;
+    # either way it forms the weight group with every server at once.
+    trainer_at, evaluated_at = output.index("started trainer"), output.index("held-out accuracy before RL")
+    assert (trainer_at > evaluated_at) if colocated else (trainer_at < evaluated_at), output[:3000]
+    assert "weight group joined with 1 server(s)" in (run_dir / "logs" / "trainer.log").read_text()
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_weight_version"] == 4
     for name in ("reward_vs_time.png", "reward_vs_samples.png", "lag_per_step.png", "throughput.png"):

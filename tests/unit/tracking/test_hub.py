@@ -5,6 +5,7 @@ reader (real files; the launched run with all three trackers is tests/integratio
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,9 @@ ROWS = [
 ]
 
 
-def test_rows_become_metrics_at_the_trainer_step_with_their_wall_time(tmp_path):
+def test_trainer_values_stay_at_their_steps_and_the_others_last_values_go_at_the_latest_step(tmp_path):
     sink = Recording()
-    hub = _hub(tmp_path, [sink])
+    hub = _hub(tmp_path, [sink], flush_every_s=60)  # one flush: at the end
     hub.rows(ROWS)
     hub.servers(
         {
@@ -47,6 +48,7 @@ def test_rows_become_metrics_at_the_trainer_step_with_their_wall_time(tmp_path):
     )
     hub.finish({"steps": 2}, [tmp_path / "missing.png"])
     scalars = sink.of("scalars")
+    assert len(scalars) == 3, scalars  # the evaluation alone, then one call per trainer step
     assert scalars[0] == ("scalars", {"eval/accuracy": 0.25, "eval/problems": 8.0}, 0, 10.0)  # None left out
     assert scalars[1] == (
         "scalars",
@@ -54,22 +56,52 @@ def test_rows_become_metrics_at_the_trainer_step_with_their_wall_time(tmp_path):
         1,
         11.0,
     )
-    assert scalars[2] == ("scalars", {"actor0/reward_mean": 0.75, "actor0/lag_max": 1.0}, 1, 11.5)  # no bools
-    assert scalars[3][1] == {
+    values, step, wall_time = scalars[2][1:]
+    assert step == 2 and wall_time > 13.0  # the servers' poll is stamped when it was made
+    assert values == {
+        "trainer/step": 2.0, "trainer/version": 2.0,  # NaN left out
+        "actor0/reward_mean": 0.75, "actor0/lag_max": 1.0,  # no bools
         "weights/version": 2.0, "weights/step": 2.0, "weights/samples_consumed": 32.0, "weights/servers": 2.0,
+        "prep0/groups_in": 9.0, "prep0/samples_out": 36.0,
+        "server0/up": 1.0, "server0/weight_version": 2.0,  # in URL order: server0 is http://a:1
+        "server1/up": 0.0, "server1/weight_version": 0.0,
     }  # fmt: skip
-    assert scalars[3][2] == 2
-    assert scalars[4] == ("scalars", {"prep0/groups_in": 9.0, "prep0/samples_out": 36.0}, 2, 12.5)
-    assert scalars[5][1] == {"trainer/step": 2.0, "trainer/version": 2.0}  # NaN left out
-    servers = scalars[6][1]  # in URL order: server0 is http://a:1
-    assert servers == {
-        "server0/up": 1.0,
-        "server0/weight_version": 2.0,
-        "server1/up": 0.0,
-        "server1/weight_version": 0.0,
-    }
     assert sink.of("finish") == [("finish", {"steps": 2}, [])]  # a plot that is not there is skipped
     assert sink.calls[0][0] == "open" and sink.calls[-1] == ("close",)
+
+
+def test_a_burst_of_rows_reaches_a_sink_as_one_call_per_step_with_the_last_values(tmp_path):
+    """A preprocessor reports after every group: hundreds of rows a second become one value per flush."""
+    sink = Recording()
+    hub = _hub(tmp_path, [sink], flush_every_s=60)
+    burst = [
+        {"type": "preprocessor", "time": 20.0 + i, "preprocessor_id": "prep0", "groups_in": i}
+        for i in range(500)
+    ]
+    trainer = [
+        {"type": "stats", "source": "trainer", "time": 19.0 + s, "step": s, "loss": s / 10} for s in (7, 8)
+    ]
+    hub.rows([trainer[0], *burst, trainer[1]])
+    hub.rows([{"type": "eval", "time": 600.0, "when": "after", "accuracy": 0.5}])
+    hub.rows([{"type": "stats", "source": "trainer", "time": 601.0, "step": 8, "loss": 0.2}])
+    hub.finish({}, [])
+    assert sink.of("scalars") == [
+        ("scalars", {"trainer/step": 7.0, "trainer/loss": 0.7}, 7, 26.0),
+        ("scalars", {"trainer/step": 8.0, "trainer/loss": 0.8, "prep0/groups_in": 499.0}, 8, 519.0),
+        ("scalars", {"eval/accuracy": 0.5}, 8, 600.0),  # what came before went first, then this alone
+        ("scalars", {"trainer/step": 8.0, "trainer/loss": 0.2}, 8, 601.0),  # a redone step: its own call
+    ]
+
+
+def test_metrics_reach_the_sinks_every_flush_interval_while_the_run_goes_on(tmp_path):
+    sink = Recording()
+    hub = _hub(tmp_path, [sink], flush_every_s=0.2)
+    hub.rows([{"type": "stats", "source": "trainer", "time": 1.0, "step": 1, "loss": 0.5}])
+    deadline = time.monotonic() + 10
+    while not sink.of("scalars") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sink.of("scalars") == [("scalars", {"trainer/step": 1.0, "trainer/loss": 0.5}, 1, 1.0)]
+    hub.finish({}, [])
 
 
 def test_sampled_completions_become_one_table_per_interval(tmp_path):
@@ -94,7 +126,7 @@ def test_sampled_completions_become_one_table_per_interval(tmp_path):
 
 def test_a_sink_that_raises_is_reported_once_and_the_others_go_on(tmp_path, capsys):
     good = Recording()
-    hub = _hub(tmp_path, [Exploding(), good])
+    hub = _hub(tmp_path, [Exploding(), good], flush_every_s=60)
     hub.rows(ROWS)
     hub.rows(ROWS)
     hub.finish({"steps": 2}, [])
@@ -102,7 +134,8 @@ def test_a_sink_that_raises_is_reported_once_and_the_others_go_on(tmp_path, caps
     assert len(lines) == 1 and "failed in open" in lines[0] and "the tracking service is down" in lines[0], (
         lines
     )
-    assert len(good.of("scalars")) == 12 and good.calls[-1] == ("close",)
+    # Each time: the evaluation (flushing what was pending); steps 1 and 2 after each.
+    assert len(good.of("scalars")) == 6 and good.calls[-1] == ("close",)
     assert set(hub.failed) == {"exploding"}
 
 
@@ -150,7 +183,7 @@ def test_tensorboard_files_read_back_with_tensorboards_reader(tmp_path):
     plt.plot([0, 1], [1, 0])
     plt.savefig(png)
     plt.close()
-    hub = _hub(tmp_path, [TensorBoardSink()], samples_every_steps=2)
+    hub = _hub(tmp_path, [TensorBoardSink()], samples_every_steps=2, flush_every_s=60)
     hub.rows(ROWS)
     hub.rows([{"type": "sample", "time": 1.0, "source": "actor0", "step": 1, "prompt": "p|q", "completion": "c",
                "reward": 0.5, "grade": None, "weight_versions": [1]}])  # fmt: skip

@@ -1,0 +1,87 @@
+"""The CPU each experiment tracker costs a run: a run's own stats.jsonl replayed, at the pace it was
+written, through the tracking hub with one tracker at a time (and with none, the replay's own cost).
+
+    .venv/bin/python benchmarks/diag/tracker_cpu.py RUN_DIR/stats.jsonl              # first 60 s of rows
+    .venv/bin/python benchmarks/diag/tracker_cpu.py RUN_DIR/stats.jsonl --seconds 120 --trackers mlflow
+
+RUN_DIR is any run directory, e.g. one of `python -m benchmarks tracking-cost`'s runs under
+artifacts/bench/tracking-cost/. Printed per tracker: CPU seconds of this process and its children (W&B's
+service is one) to open it, and per second of the run while rows flow, as a share of one core. The
+end-to-end cost on samples per second is the tracking-cost benchmark's; this says which tracker it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from pipeline_rl.tracking.config import TrackingConfig
+from pipeline_rl.tracking.hub import Trackers, build_sinks
+from pipeline_rl.tracking.sinks import RunInfo
+
+TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
+
+
+def _cpu_s() -> float:
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def replay(rows: list[dict], tracker: str) -> tuple[float, float]:
+    """(CPU s to open, CPU s while the rows flowed) for one tracker."""
+    root = Path(tempfile.mkdtemp(prefix="tracker-cpu-"))
+    cfg = TrackingConfig(wandb_mode="offline", **({} if tracker == "none" else {tracker: True}))
+    run = RunInfo(run_dir=root, name="replay", config={"replay": True}, resumed=False)
+    run.tracking_dir.mkdir(parents=True)
+    before = _cpu_s()
+    hub = Trackers(cfg, run, build_sinks(cfg, root))
+    hub._thread.start()
+    hub._put(("open",))
+    time.sleep(5)  # the open happens on the hub's thread
+    opened = _cpu_s()
+    first, started, i = rows[0]["time"], time.monotonic(), 0
+    while i < len(rows):
+        due = first + (time.monotonic() - started)
+        j = i
+        while j < len(rows) and rows[j]["time"] <= due:
+            j += 1
+        if j > i:
+            hub.rows(rows[i:j])
+            i = j
+        time.sleep(0.02)
+    time.sleep(cfg.flush_every_s + 1)
+    flowed = _cpu_s()
+    hub.finish({}, [])
+    return opened - before, flowed - opened
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stats", type=Path)
+    p.add_argument("--seconds", type=float, default=60.0, help="replay this much of the run")
+    p.add_argument("--trackers", default=",".join(TRACKERS))
+    args = p.parse_args()
+    rows = [json.loads(line) for line in args.stats.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("time") and r["time"] - rows[0]["time"] < args.seconds]
+    span = rows[-1]["time"] - rows[0]["time"]
+    print(f"{len(rows)} rows over {span:.0f} s of {args.stats}")
+    print("| tracker | CPU s to open | CPU s while rows flow | share of one core |")
+    print("|---|---|---|---|")
+    for tracker in args.trackers.split(","):
+        opening, flowing = replay(rows, tracker)
+        print(f"| {tracker} | {opening:.2f} | {flowing:.2f} | {100 * flowing / span:.2f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
