@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 
+from pipeline_rl.config import RunConfig, load_run_config
 from pipeline_rl.tracking.config import TrackingConfig
-from pipeline_rl.tracking.hub import Trackers, build_sinks
-from pipeline_rl.tracking.sinks import RunInfo
+from pipeline_rl.tracking.hub import Trackers
 
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 
@@ -38,17 +38,13 @@ def _cpu_s() -> float:
     return total
 
 
-def replay(rows: list[dict], tracker: str) -> tuple[float, float]:
-    """(CPU s to open, CPU s while the rows flowed) for one tracker."""
+def replay(run_cfg: RunConfig, rows: list[dict], tracker: str) -> tuple[float, float]:
+    """(CPU s to open, CPU s while the rows flowed) for one tracker, started as the launcher starts them."""
     root = Path(tempfile.mkdtemp(prefix="tracker-cpu-"))
-    cfg = TrackingConfig(wandb_mode="offline", **({} if tracker == "none" else {tracker: True}))
-    run = RunInfo(run_dir=root, name="replay", config={"replay": True}, resumed=False)
-    run.tracking_dir.mkdir(parents=True)
+    tracking = TrackingConfig(wandb_mode="offline", **({} if tracker == "none" else {tracker: True}))
     before = _cpu_s()
-    hub = Trackers(cfg, run, build_sinks(cfg, root))
-    hub._thread.start()
-    hub._put(("open",))
-    time.sleep(5)  # the open happens on the hub's thread
+    hub = Trackers.start(run_cfg.model_copy(update={"tracking": tracking}), root, resumed=False)
+    time.sleep(5)  # the trackers open on the hub's own thread
     opened = _cpu_s()
     first, started, i = rows[0]["time"], time.monotonic(), 0
     while i < len(rows):
@@ -56,13 +52,14 @@ def replay(rows: list[dict], tracker: str) -> tuple[float, float]:
         j = i
         while j < len(rows) and rows[j]["time"] <= due:
             j += 1
-        if j > i:
+        if hub is not None and j > i:
             hub.rows(rows[i:j])
-            i = j
+        i = j
         time.sleep(0.02)
-    time.sleep(cfg.flush_every_s + 1)
+    time.sleep(tracking.flush_every_s + 1)
     flowed = _cpu_s()
-    hub.finish({}, [])
+    if hub is not None:
+        hub.finish({}, [])
     return opened - before, flowed - opened
 
 
@@ -72,6 +69,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="replay this much of the run")
     p.add_argument("--trackers", default=",".join(TRACKERS))
     args = p.parse_args()
+    run_cfg = load_run_config(args.stats.parent / "config.json")
     rows = [json.loads(line) for line in args.stats.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("time") and r["time"] - rows[0]["time"] < args.seconds]
     span = rows[-1]["time"] - rows[0]["time"]
@@ -79,7 +77,7 @@ def main() -> None:
     print("| tracker | CPU s to open | CPU s while rows flow | share of one core |")
     print("|---|---|---|---|")
     for tracker in args.trackers.split(","):
-        opening, flowing = replay(rows, tracker)
+        opening, flowing = replay(run_cfg, rows, tracker)
         print(f"| {tracker} | {opening:.2f} | {flowing:.2f} | {100 * flowing / span:.2f}% |", flush=True)
 
 

@@ -217,7 +217,7 @@ def test_pipelined_servers_keep_in_flight_kv_after_an_update_and_sync_servers_re
         argv = specs["server0"].argv
         return cfg.inference.kv_after_update, argv[argv.index("--kv-after-update") + 1]
 
-    # Unset, the policy follows the mode (docs/benchmarks.md F18), and the server is told the same.
+    # Unset, the policy follows the mode (docs/decisions.md#kv-after-an-update), and the server is told the same.
     assert kv_flag() == ("keep", "keep")
     assert kv_flag("mode=sync") == ("recompute", "recompute")
     # Named, it is what the user asked for, in either mode.

@@ -1,7 +1,7 @@
 """The vLLM worker's bounds on its shared-memory RPC reader (inference_shim/vllm_worker.py
 _patch_rpc_reader), on vLLM's real SpinCondition and real ZMQ sockets: once idle, the reader sleeps at
 most IDLE_POLL_MS before it looks at the queue again, so a lost wake-up notification cannot stall
-decoding for vLLM's 5 s recheck (docs/benchmarks.md F15); its spin is clamped only once the worker
+decoding for vLLM's 5 s recheck (docs/decisions.md#weight-transfer, the idle spin); its spin is clamped only once the worker
 joined a weight group. No notification is ever sent here: that is the lost one.
 
     .venv/bin/python -m pytest -q tests/unit/test_vllm_idle_poll.py

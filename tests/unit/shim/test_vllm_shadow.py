@@ -4,7 +4,7 @@ A vLLM worker makes a full garbage collection rarely (and a slow one, in a heap 
 so anything of an update that sits in a reference cycle stays until then. The shadow's builder once was
 a recursive closure, a cycle that held every fresh tensor of the update: after the swap those tensors
 share the live weights' memory, so each update kept a model copy alive and a worker's floor grew with
-every weight group (benchmarks/diag/worker_memory.py, docs/benchmarks.md F5). These tests build shadows of
+every weight group (benchmarks/diag/worker_memory.py, docs/decisions.md#weight-transfer). These tests build shadows of
 a small torch model with what vLLM's parameters carry (a weight_loader bound to their module, tied
 weights) and check, with the collector off, that nothing of an update outlives it.
 
