@@ -72,11 +72,11 @@ def test_the_warm_up_draws_bars_on_a_pty(tiny_model, tmp_path):
     """The demo's warm-up (what `make demo` runs first) on a terminal: its steps and its evaluation as
     bars. Off a terminal it writes plain lines: the Progress tests above, and the warm-up's own log
     lines, which benchmarks/tests read (`warm-up step 25/50`)."""
-    argv = [sys.executable, "-m", "pipeline_rl.demo.warmup", "--base", str(tiny_model), "--steps", "30",
+    argv = [sys.executable, "-m", "pipeline_rl.demo.warmup", "--base", str(tiny_model), "--steps", "4",
             "--batch-size", "2", "--eval-problems", "2", "--out", str(tmp_path / "warm")]  # fmt: skip
     on_tty = _under_pty(argv)
     redraws = re.findall(r"\r(?!\n)[^\r\n]*", on_tty)  # a carriage return that is not a line end: a bar
-    assert any("warm-up" in r and "30/30" in r and "100%" in r for r in redraws), on_tty[-2000:]
+    assert any("warm-up" in r and "4/4" in r and "100%" in r for r in redraws), on_tty[-2000:]
     assert any("greedy answers" in r for r in redraws), on_tty[-2000:]
 
 

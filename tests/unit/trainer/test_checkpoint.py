@@ -108,7 +108,9 @@ def test_writes_are_fsynced_before_the_rename_that_publishes_them(tiny_model, tm
                         {{"position": "p"}}, comm, model_path=cfg.model_path, bucket_bytes=1 << 20, keep=2)
     """)
     trace = tmp_path / "strace.txt"
-    argv = ["strace", "-f", "-qq", "-y", "-o", str(trace), "-e", "trace=fsync,rename,renameat,renameat2"]
+    # --seccomp-bpf stops the child only at the traced calls (the default stops it at every one: ~1.5x slower).
+    syscalls = "trace=fsync,rename,renameat,renameat2"
+    argv = ["strace", "-f", "-qq", "--seccomp-bpf", "-y", "-o", str(trace), "-e", syscalls]
     done = subprocess.run([*argv, sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     if done.returncode != 0 and "ptrace" in done.stderr:
         pytest.skip(f"strace cannot trace here: {done.stderr.strip()[-200:]}")
