@@ -137,7 +137,7 @@ def _micro_batches_holding_each_group(cfg: RunConfig) -> dict[str, int]:
 
 
 def test_shared_prefix_layout_gets_each_group_whole_in_one_micro_batch(redis_server, tmp_path):
-    # The shared_prefix layout shares a prompt only within a micro-batch (docs/benchmarks.md F16).
+    # The shared_prefix layout shares a prompt only within a micro-batch (docs/trainer.md, "Micro-batch layout").
     rng = random.Random(2)
     groups = [make_group(i, rng) for i in range(16)]
     holding = {}

@@ -35,8 +35,9 @@ def test_bf16_on_a_cpu_with_native_bf16_is_accepted(monkeypatch) -> None:
 
 
 def test_on_x86_native_bf16_means_the_cpu_flags_not_torchs_check(monkeypatch) -> None:
-    """torch's own check says yes on any AVX-512 x86, where oneDNN converts bf16 to float32 and a matmul
-    took 3.2-3.5x float32's time (an AVX-512 Xeon without AVX512_BF16): only the bf16 flags count there."""
+    """torch's own check says yes on any AVX-512 x86, where without AVX512_BF16 oneDNN converts bf16 to
+    float32 and a matmul is slower than in float32 (docs/trainer.md, "Mixed precision"): only the bf16
+    flags count there."""
     avx512 = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
     monkeypatch.setattr(precision, "x86_cpu_flags", lambda: avx512)
     assert not precision.cpu_has_native_bf16()
