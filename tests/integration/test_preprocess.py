@@ -377,7 +377,9 @@ def test_cli_processes_share_the_stream_and_stop_on_sigterm(redis_server, tmp_pa
         for i, log in enumerate(logs)
     ]
     try:
-        deadline = time.monotonic() + 60
+        # Start-up and processing get a deadline each: two interpreters importing torch beside another
+        # test's engine can take most of a minute to start, and that must not eat the processing time.
+        deadline = time.monotonic() + 180
         while not all("reading rollouts" in log.read_text() for log in logs):  # both up (signals handled)
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
                 log.read_text() for log in logs
@@ -387,6 +389,7 @@ def test_cli_processes_share_the_stream_and_stop_on_sigterm(redis_server, tmp_pa
         for group in groups:  # trickle in, like actors
             writer.write(group)
             time.sleep(0.05)
+        deadline = time.monotonic() + 60
         while sum(len(b) for b in packages_by_batch(cfg).values()) < 16 and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:

@@ -78,6 +78,22 @@ def deepspeed_config(cfg: RunConfig, world: int, stage: int) -> dict:
     return config
 
 
+SHARED_MEMORY_OP = "deepspeed_shm_comm"
+
+
+def skip_shared_memory_op() -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce op.
+
+    DeepSpeed's torch communication backend builds that C++ op (a JIT compile: minutes on a machine that
+    has not built it, and a compiler it needs) whenever the op's probe says it can, but only its
+    inference tensor parallelism calls it (`inference_all_reduce`); ZeRO's collectives are
+    torch.distributed's. Marking the op unavailable in DeepSpeed's table of compatible ops (a module-level
+    dict it keeps and reads) skips the build and changes nothing the trainer runs."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHARED_MEMORY_OP] = False
+
+
 class DeepSpeedStrategy(Strategy):
     """Both ZeRO stages; the two subclasses below only fix `stage` (and the name the config uses)."""
 
@@ -89,6 +105,8 @@ class DeepSpeedStrategy(Strategy):
 
         stage = self.stage
         self.gather_is_collective = stage == 3
+        if comm.device.type == "cpu":
+            skip_shared_memory_op()
         # Reuses the default group init_comm created (DeepSpeed notices it is initialized).
         deepspeed.init_distributed(dist_backend="nccl" if comm.device.type == "cuda" else "gloo")
         module = load_hf_model(weights_dir, comm.device, cfg.trainer.gradient_checkpointing)

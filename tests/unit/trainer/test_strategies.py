@@ -1,5 +1,6 @@
 """The trainer-strategy package's shape (pipeline_rl/trainer/strategies): one-way imports, a complete registry,
-and the checkpoint's gather buckets planned by the push's planner. No distributed group, no model.
+and the checkpoint's gather buckets planned by the push's planner; ZeRO on CPU builds no DeepSpeed op. No
+distributed group, no model.
 
     .venv/bin/python -m pytest -q tests/unit/test_strategies.py
 """
@@ -83,3 +84,21 @@ def test_full_state_dict_gathers_the_push_buckets_in_order():
     assert gathered == expected and len(expected) > 1
     assert list(state) == [s[0] for s in specs]
     assert all(torch.equal(state[f"w{i}"], torch.full(specs[i][1], float(i))) for i in range(len(specs)))
+
+
+def test_a_cpu_zero_trainer_does_not_build_deepspeeds_shared_memory_op():
+    """DeepSpeed's CPU communication backend would JIT-compile its shared-memory all-reduce op in
+    `init_distributed` (minutes on a fresh machine); the ZeRO strategy marks it unavailable first, so the
+    backend's own builder function returns no op, and compiles nothing."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    from pipeline_rl.trainer.strategies.zero import SHARED_MEMORY_OP, skip_shared_memory_op
+
+    assert get_accelerator().device_name() == "cpu"
+    assert get_accelerator().create_op_builder("ShareMemCommBuilder") is not None
+    # Left alone, DeepSpeed would build it here: its probe finds the op buildable on this machine.
+    assert deepspeed.ops.__compatible_ops__[SHARED_MEMORY_OP], "no compiler for DeepSpeed's CPU ops?"
+    skip_shared_memory_op()
+    assert build_shm_op() is None
