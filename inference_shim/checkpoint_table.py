@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# safetensors dtype codes -> the torch dtype names the contract uses (protocol.DTYPE_SIZES).
+# The `dtype` field of a safetensors header, spelled as the format spells it (data, not references) ->
+# the torch dtype names the contract uses (protocol.DTYPE_SIZES; docs/contract.md, "GET /capabilities", `dtypes`).
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
