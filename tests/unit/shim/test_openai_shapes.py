@@ -16,6 +16,7 @@ import pytest
 from support.fake_backend import FakeBackend
 
 from inference_shim.backends.common import model_positions, resolve_max_model_len, spans_from_versions
+from inference_shim.backends.vllm_backend import VllmOptions
 from inference_shim.cli import build_parser, engine_options
 from inference_shim.openai_protocol import ChatCompletionRequest
 from inference_shim.server import create_app
@@ -133,3 +134,15 @@ def test_per_token_versions_become_contiguous_spans_covering_every_token():
     spans = spans_from_versions([3, 3, 4, 4, 4, 6])
     assert [(s.version, s.start, s.end) for s in spans] == [(3, 0, 2), (4, 2, 5), (6, 5, 6)]
     assert spans_from_versions([]) == []
+
+
+def test_the_engines_start_method_is_a_vllm_flag(tmp_path):
+    model = _model_dir(tmp_path, max_position_embeddings=96)
+    # The server process forks its engine's processes unless told otherwise; an embedded engine spawns.
+    assert engine_options(build_parser().parse_args(["--model", str(model)]))["start_method"] == "fork"
+    assert VllmOptions(model=str(model)).start_method == "spawn"
+    args = build_parser().parse_args(["--model", str(model), "--start-method", "spawn"])
+    assert engine_options(args)["start_method"] == "spawn"
+    args = build_parser().parse_args(["--model", str(model), "--backend", "torch", "--start-method", "fork"])
+    with pytest.raises(SystemExit, match="--start-method needs --backend vllm"):
+        engine_options(args)
