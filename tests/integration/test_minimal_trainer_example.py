@@ -41,8 +41,8 @@ def _run_example(url: str, model: Path, *extra: str) -> subprocess.CompletedProc
 def test_minimal_trainer_pushes_refuses_and_restores(tmp_path, apply):
     # Both ways a vLLM server applies an update: built beside the live model and swapped in (the default
     # on CPU, inference_shim/vllm_shadow.py) and vLLM's reload path (the fallback), each restoring the
-    # start-up weights exactly. The reload server starts its engine processes by spawn, the other by
-    # fork (the default), so that both ways of starting them are run.
+    # start-up weights exactly. The prepared server starts its engine processes by fork, the reload one by
+    # spawn (the default), so that both ways of starting them are run.
     model = build_tiny_model(tmp_path / "tiny")
     extra = ("--apply-weights", apply, "--start-method", "fork" if apply == "prepared" else "spawn")
     with running_servers(model, tmp_path, 1, token=TOKEN, extra=extra) as (url,):

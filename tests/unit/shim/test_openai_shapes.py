@@ -138,11 +138,11 @@ def test_per_token_versions_become_contiguous_spans_covering_every_token():
 
 def test_the_engines_start_method_is_a_vllm_flag(tmp_path):
     model = _model_dir(tmp_path, max_position_embeddings=96)
-    # The server process forks its engine's processes unless told otherwise; an embedded engine spawns.
-    assert engine_options(build_parser().parse_args(["--model", str(model)]))["start_method"] == "fork"
+    # vLLM-CPU's own spawn unless told otherwise, in the server and in an embedded engine alike.
+    assert engine_options(build_parser().parse_args(["--model", str(model)]))["start_method"] == "spawn"
     assert VllmOptions(model=str(model)).start_method == "spawn"
-    args = build_parser().parse_args(["--model", str(model), "--start-method", "spawn"])
-    assert engine_options(args)["start_method"] == "spawn"
+    args = build_parser().parse_args(["--model", str(model), "--start-method", "fork"])
+    assert engine_options(args)["start_method"] == "fork"
     args = build_parser().parse_args(["--model", str(model), "--backend", "torch", "--start-method", "fork"])
     with pytest.raises(SystemExit, match="--start-method needs --backend vllm"):
         engine_options(args)
