@@ -190,10 +190,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         if args.backend != "vllm":
             raise SystemExit("--apply-weights needs --backend vllm (the other engines have one way to apply)")
         tools["apply_weights"] = args.apply_weights
-    if args.start_method is not None and args.backend != "vllm":
-        raise SystemExit("--start-method needs --backend vllm (the other engines start their own way)")
-    if args.backend == "vllm":
-        tools["start_method"] = args.start_method or "spawn"
+    if args.start_method is not None:
+        if args.backend != "vllm":
+            raise SystemExit("--start-method needs --backend vllm (the other engines start their own way)")
+        tools["start_method"] = args.start_method
     if args.tool_call_parser is not None:
         if args.backend != "vllm":
             raise SystemExit(
