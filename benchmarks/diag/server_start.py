@@ -1,5 +1,5 @@
 """How long a vLLM-CPU server takes to start, by how its engine starts its processes: `--start-method
-fork` (the server's default) against `spawn` (vLLM-CPU's own choice), interleaved, one server at a time.
+fork` against `spawn` (vLLM-CPU's own choice and the server's default), interleaved, one server at a time.
 
     .venv/bin/python -m benchmarks.diag.server_start                  # 3 starts each, the tiny model
     .venv/bin/python -m benchmarks.diag.server_start --repeats 5 --model PATH

