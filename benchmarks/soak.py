@@ -3,25 +3,35 @@
     python -m benchmarks soak                       # demo recipe, 30 min, >= 20 faults, seed 0
     python -m benchmarks soak --run-s 600 --first-seed 3   # 10 minutes (>= 7 faults), seed 3
     python -m benchmarks soak --quick               # tiny model on the torch engine, 170 s, >= 5 faults
+    python -m benchmarks soak --quick --hosts 1     # the same over two simulated hosts (root)
 
 The driver draws a seeded schedule of faults spread over the run, every role in turn before any twice:
 SIGKILL of an actor, a preprocessor, a server, the trainer and the run's Redis; SIGSTOP of an actor, a
-preprocessor or a server for a few seconds, then SIGCONT. Each fault is logged (time, kind, target,
-pid); after a kill the driver waits for the launcher's "restarted <name>" before the next one. The run
-ends at max_wall_s (the trainer checkpoints and stops). What must hold: the launcher exits 0; every
-server serves the last version; the sample ledger's positive accounting establishes lost = 0 and no
-sample trained twice (pipeline_rl/ledger.py); every role restarted. Reported: steps, restarts per
-role, lost / abandoned / located, trained samples per second in windows over the run with each fault
-marked on the plot. A simulated host's link cut (ip netns) is not among the faults: it needs a run
-over several simulated hosts (tests/integration/test_multihost_push.py covers a cut mid-push).
+preprocessor or a server for a few seconds, then SIGCONT; and, over simulated hosts, the servers' host's
+link cut for a few seconds, then healed. Each fault is logged (time, kind, target, pid); after a kill
+the driver waits for the launcher's "restarted <name>", after a cut for every server to serve the
+trainer's version again, before the next one. The run ends at max_wall_s (the trainer checkpoints and
+stops). What must hold: the launcher exits 0; every server serves the last version; the sample ledger's
+positive accounting establishes lost = 0 and no sample trained twice (pipeline_rl/ledger.py); every
+role restarted. Reported: steps, restarts per role, lost / abandoned / located, trained samples per
+second in windows over the run with each fault marked on the plot.
+
+Over simulated hosts (the full soak by default where root allows, `--hosts 1` asks for it, `--hosts 0`
+runs on one host): network namespaces on one switch (pipeline_rl/testing/simhosts.py), one cluster
+file, `pipeline-rl launch --cluster F --node X` in each: host `a` runs Redis, the trainer, the
+preprocessor and the actor, host `b` the two servers, so a cut of b's link takes every server away
+from the trainer (pushes fail within their deadline, the servers are ejected, then re-admitted once the
+link is back) and from the actor (its requests stall, then resume or fail over).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +59,8 @@ KILLS = [
     ("redis", "kill"),
 ]
 STOPS = [("actor", "stop"), ("preprocessor", "stop"), ("server", "stop")]
+LINK_CUTS = [("link", "cut")]  # over simulated hosts only: the servers' host's cable
+LINK_CUT_S = (4.0, 10.0)  # how long a link stays cut
 FAULT_SETTINGS = [
     "trainer.checkpoint_every=4",
     "trainer.push_timeout_s=30",
@@ -84,13 +96,14 @@ class Fault:
     error: str | None = None
 
 
-def schedule(seed: int, span_s: float, min_faults: int) -> list[Fault]:
+def schedule(seed: int, span_s: float, min_faults: int, link_cuts: bool = False) -> list[Fault]:
     """`min_faults` faults spread over `span_s` seconds (from the moment the run is up), each round every
-    kind once (kills of all five roles first, shuffled; then the stops, shuffled)."""
+    kind once (kills of all five roles and, over simulated hosts, the link cut first, shuffled; then the
+    stops, shuffled)."""
     rng = random.Random(seed)
     kinds: list[tuple[str, str]] = []
     while len(kinds) < min_faults:
-        kills, stops = list(KILLS), list(STOPS)
+        kills, stops = KILLS + (LINK_CUTS if link_cuts else []), list(STOPS)
         rng.shuffle(kills)
         rng.shuffle(stops)
         kinds += kills + stops
@@ -106,10 +119,10 @@ def schedule(seed: int, span_s: float, min_faults: int) -> list[Fault]:
 class LaunchedRun:
     """`pipeline-rl launch` as a child; its output kept in memory by a reader thread."""
 
-    def __init__(self, cmd: list[str], log_path: Path) -> None:
+    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         self.lines: list[str] = []
         self.started = time.monotonic()
@@ -148,7 +161,60 @@ class LaunchedRun:
         return next((c.pid for c in children if c.name() == "redis-server"), None)
 
 
-def _target(run: LaunchedRun, fault: Fault, rng: random.Random, counts: dict[str, int]) -> None:
+class Job:
+    """The launched job the faults hit: one launcher on this host, or one per simulated host (`net`).
+
+    Where each role runs (`run_of`), the status of every launcher, and HTTP to the job's servers from where
+    the job sees them (inside host a over simulated hosts)."""
+
+    def __init__(self, runs: dict[str, LaunchedRun], status_ports: dict[str, int], net=None) -> None:
+        self.runs = runs  # node name -> its launcher ("local" on one host)
+        self.status_ports = status_ports
+        self.net = net
+        self.server_urls: list[str] = []
+        self.api_key: str | None = None  # the nodes' shared /v1 key over simulated hosts
+
+    @property
+    def main(self) -> LaunchedRun:
+        """The launcher of the trainer, Redis, actors and preprocessors."""
+        return self.runs["a" if self.net is not None else "local"]
+
+    def run_of(self, role: str) -> LaunchedRun:
+        return self.runs["b"] if self.net is not None and role == "server" else self.main
+
+    def _inside(self, node: str):
+        return self.net[node].entered() if self.net is not None else contextlib.nullcontext()
+
+    def status(self, node: str) -> dict:
+        with self._inside(node):
+            return httpx.get(f"http://127.0.0.1:{self.status_ports[node]}/status", timeout=10).json()
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts per role, summed over the launchers (those that could not be asked are left out)."""
+        total: dict[str, int] = {}
+        for node in self.runs:
+            try:
+                counts = self.status(node)["restarts"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+            for role, n in counts.items():
+                total[role] = total.get(role, 0) + n
+        return total
+
+    def server_versions(self) -> list[int | None]:
+        """Each server's weight version by its /health, asked from the trainer's host (None: no answer)."""
+        versions = []
+        with self._inside("a" if self.net is not None else "local"):
+            for url in self.server_urls:
+                try:
+                    versions.append(httpx.get(f"{url}/health", timeout=5).json().get("weight_version"))
+                except (httpx.HTTPError, ValueError):
+                    versions.append(None)
+        return versions
+
+
+def _target(job: Job, fault: Fault, rng: random.Random, counts: dict[str, int]) -> None:
+    run = job.run_of(fault.role)
     if fault.role == "redis":
         fault.target, fault.pid = "redis", run.redis_pid() or 0
         return
@@ -156,14 +222,18 @@ def _target(run: LaunchedRun, fault: Fault, rng: random.Random, counts: dict[str
     fault.target, fault.pid = name, run.pid_of(name) or 0
 
 
-def fire(run: LaunchedRun, fault: Fault, rng: random.Random, counts: dict[str, int]) -> None:
+def fire(job: Job, fault: Fault, rng: random.Random, counts: dict[str, int]) -> None:
     """Send the fault and wait until the run recovered from it (bounded)."""
-    _target(run, fault, rng, counts)
+    if fault.action == "cut":
+        cut_link(job, fault, rng)
+        return
+    _target(job, fault, rng, counts)
     if not fault.pid:
         fault.error = f"no pid for {fault.target}"
         return
+    run = job.run_of(fault.role)
     mark = len(run.lines)
-    fault.fired_s = run.elapsed()
+    fault.fired_s = job.main.elapsed()
     try:
         if fault.action == "kill":
             # A process group (the server's engine, the trainer's ranks) dies whole; Redis is one process.
@@ -173,7 +243,7 @@ def fire(run: LaunchedRun, fault: Fault, rng: random.Random, counts: dict[str, i
                 else _killpg(fault.pid, signal.SIGKILL)
             )
             if run.wait_for(rf"restarted {fault.target}\b", RESTART_WAIT_S, after=mark):
-                fault.recovered_s = run.elapsed()
+                fault.recovered_s = job.main.elapsed()
             else:
                 fault.error = f"{fault.target} was not restarted within {RESTART_WAIT_S:.0f}s"
         else:
@@ -182,9 +252,38 @@ def fire(run: LaunchedRun, fault: Fault, rng: random.Random, counts: dict[str, i
                 time.sleep(rng.uniform(*STOP_S))
             finally:
                 _killpg(fault.pid, signal.SIGCONT)
-            fault.recovered_s = run.elapsed()
+            fault.recovered_s = job.main.elapsed()
     except (ProcessLookupError, psutil.Error) as e:
         fault.error = f"{type(e).__name__}: {e}"
+
+
+def cut_link(job: Job, fault: Fault, rng: random.Random) -> None:
+    """Cut the servers' host's cable for a few seconds, heal it, and wait until every server serves the
+    trainer's version of the moment the link came back (ejected, re-admitted, pushed to)."""
+    host = job.net["b"]
+    fault.target = "b"
+    fault.fired_s = job.main.elapsed()
+    host.link(False)
+    try:
+        time.sleep(rng.uniform(*LINK_CUT_S))
+    finally:
+        host.link(True)
+    try:
+        healed_version = job.status("a")["weight_version"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        fault.error = f"the launcher's /status did not answer after the cut: {e}"
+        return
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while time.monotonic() < deadline and job.main.proc.poll() is None:
+        versions = job.server_versions()
+        if all(v is not None and v >= healed_version for v in versions):
+            fault.recovered_s = job.main.elapsed()
+            return
+        time.sleep(1.0)
+    fault.error = (
+        f"servers on {job.server_versions()} {RESTART_WAIT_S:.0f}s after the link came back, the trainer "
+        f"at version {healed_version} then"
+    )
 
 
 def _killpg(pid: int, sig: int) -> None:
@@ -219,7 +318,7 @@ def plot(path: Path, series: list[tuple[float, float]], faults: list[Fault], tit
     fig, ax = plt.subplots(figsize=(9, 3.2))
     if series:
         ax.step([t for t, _ in series], [v for _, v in series], where="post", color="#1f77b4")
-    colors = {"kill": "#d62728", "stop": "#ff7f0e"}
+    colors = {"kill": "#d62728", "stop": "#ff7f0e", "cut": "#9467bd"}
     for f in faults:
         if f.fired_s:
             ax.axvline(f.fired_s, color=colors[f.action], alpha=0.7, linewidth=1)
@@ -236,62 +335,145 @@ def plot(path: Path, series: list[tuple[float, float]], faults: list[Fault], tit
     return path
 
 
+SECRET_ENVS = ("PIPELINE_RL_TOKEN", "PIPELINE_RL_API_KEY", "PIPELINE_RL_REDIS_PASSWORD")
+SERVER_PORTS = (8001, 8002)
+
+
+def _cluster_file(path: Path, net, run_dir: Path, overrides: list[str]) -> Path:
+    """Host a: Redis, the trainer, the preprocessor, the actor; host b: both servers."""
+    import yaml
+
+    from pipeline_rl.testing.simhosts import HOST_IFNAME
+
+    hosts = [
+        {"name": "a", "address": net["a"].address, "redis_port": 6390, "trainer_ranks": 1,
+         "preprocessors": 1, "actors": 1},
+        {"name": "b", "address": net["b"].address, "server_ports": list(SERVER_PORTS)},
+    ]  # fmt: skip
+    spec = {"ifname": HOST_IFNAME, "run_dir": str(run_dir), "rendezvous_port": 29555}
+    path.write_text(yaml.safe_dump({**spec, "overrides": overrides, "hosts": hosts}))
+    return path
+
+
+def _start_job(ctx: BenchContext, net, overrides: list[str], run_dir: Path) -> Job:
+    """The launcher(s) of the run: on this host, or one per simulated host (b's servers first)."""
+    launch = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--progress-every", "5"]
+    logs = run_dir.parent
+    if net is None:
+        port = _free_port()
+        cmd = [
+            *launch,
+            "--status-port",
+            str(port),
+            f"run_dir={run_dir}",
+            "inference.num_servers=2",
+            *overrides,
+        ]
+        ctx.log(f"soak: {' '.join(cmd[3:])}")
+        return Job({"local": LaunchedRun(cmd, logs / f"{run_dir.name}.launcher.log")}, {"local": port})
+    import secrets
+
+    cluster = _cluster_file(logs / f"{run_dir.name}.cluster.yaml", net, run_dir, overrides)
+    env = {name: secrets.token_hex(16) for name in SECRET_ENVS}  # the nodes' shared secrets, never argv
+    ip = shutil.which("ip") or "ip"
+    runs, ports = {}, {}
+    for node in ("b", "a"):
+        ports[node] = 9700 + len(ports)  # loopback inside the node's own namespace: no collision
+        cmd = [ip, "netns", "exec", net[node].netns, *launch, "--status-port", str(ports[node])]
+        cmd += ["--cluster", str(cluster), "--node", node]
+        ctx.log(f"soak on host {node}: {' '.join(cmd[5:])}")
+        node_env = net[node].env(**env, PYTHONUNBUFFERED="1")
+        runs[node] = LaunchedRun(cmd, logs / f"{run_dir.name}.launcher-{node}.log", node_env)
+    job = Job({"a": runs["a"], "b": runs["b"]}, ports, net)
+    job.api_key = env["PIPELINE_RL_API_KEY"]
+    return job
+
+
+def _end_job(job: Job, run_s: float) -> int | None:
+    """Wait for the run's end; over simulated hosts stop b's launcher (servers keep serving until asked)
+    once a's has recorded the servers' final state, so a's Redis sees b's connections close."""
+    if job.net is not None:
+        job.main.wait_for(r"servers at the end:", run_s + 900)
+        b = job.runs["b"]
+        if b.proc.poll() is None:
+            b.proc.send_signal(signal.SIGTERM)
+            try:
+                b.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                b.proc.kill()
+    try:
+        return job.main.proc.wait(timeout=run_s + 900)
+    except subprocess.TimeoutExpired:
+        job.main.proc.kill()
+        return None
+
+
 def soak(
-    ctx: BenchContext, model: Path, run_dir: Path, run_s: float, min_faults: int, seed: int, extra: tuple = ()
+    ctx: BenchContext,
+    model: Path,
+    run_dir: Path,
+    run_s: float,
+    min_faults: int,
+    seed: int,
+    extra: tuple = (),
+    hosts: bool = False,
 ) -> dict:
     """One soak run; its measurements (see the module docstring). Raises nothing for the run's sake:
-    failures are in the result."""
+    failures are in the result. hosts: over two simulated hosts (root), with link cuts among the faults."""
     from pipeline_rl.ledger import ledger_summary
 
-    status_port = _free_port()
-    cmd = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--status-port", str(status_port)]
-    cmd += ["--progress-every", "5", f"model_path={model}", f"run_dir={run_dir}", f"max_wall_s={run_s}"]
-    cmd += ["trainer.max_steps=100000", "inference.num_servers=2", f"seed={seed}", *FAULT_SETTINGS, *extra]
+    overrides = [f"model_path={model}", f"max_wall_s={run_s}", "trainer.max_steps=100000", f"seed={seed}"]
+    overrides += [*FAULT_SETTINGS, *extra]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    ctx.log(f"soak: {min_faults} faults over {run_s:.0f}s, seed {seed}: {' '.join(cmd[3:])}")
-    run = LaunchedRun(cmd, run_dir.parent / f"{run_dir.name}.launcher.log")
-    rng = random.Random(seed + 1)
-    ready = run.wait_for(r"started actor0 \(pid \d+\)", 600)
-    started_at = time.time() - run.elapsed()
-    # Faults from now on, the last one a fifth of the run before its end: time to recover from it.
-    up_s = run.elapsed()
-    faults = schedule(seed, max(30.0, 0.8 * run_s - up_s), min_faults)
-    for fault in faults:
-        fault.at_s += up_s
-    config = json.loads((run_dir / "config.json").read_text()) if ready else {}
-    counts = {
-        "actor": config.get("actor", {}).get("num_actors", 1),
-        "preprocessor": config.get("num_preprocessors", 1),
-        "server": config.get("inference", {}).get("num_servers", 1),
-    }
-    restarts: dict = {}
-    for fault in faults if ready else []:
-        while run.elapsed() < fault.at_s and run.proc.poll() is None:
-            time.sleep(0.2)
-        if run.proc.poll() is not None:
-            fault.error = "the run had ended"
-            continue
-        fire(run, fault, rng, counts)
-        ctx.log(f"soak: {fault.action} {fault.target} at {fault.fired_s:.0f}s: {fault.error or 'recovered'}")
-    try:
-        restarts = httpx.get(f"http://127.0.0.1:{status_port}/status", timeout=10).json()["restarts"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        restarts = {}
-    try:
-        code = run.proc.wait(timeout=run_s + 900)
-    except subprocess.TimeoutExpired:
-        run.proc.kill()
-        code = None
-    time.sleep(0.5)  # the reader thread's last lines
-    summary_path = run_dir / "summary.json"
+    ctx.log(
+        f"soak: {min_faults} faults over {run_s:.0f}s, seed {seed}, {'two simulated hosts' if hosts else 'one host'}"
+    )
+    net_scope = contextlib.nullcontext()
+    if hosts:
+        from pipeline_rl.testing.simhosts import SimNet
+
+        net_scope = SimNet(["a", "b"])
+    with net_scope as net:
+        job = _start_job(ctx, net, overrides, run_dir)
+        node_dir = run_dir / "nodes" / "a" if net is not None else run_dir
+        rng = random.Random(seed + 1)
+        ready = job.main.wait_for(r"started actor0 \(pid \d+\)", 600)
+        started_at = time.time() - job.main.elapsed()
+        # Faults from now on, the last one a fifth of the run before its end: time to recover from it.
+        up_s = job.main.elapsed()
+        faults = schedule(seed, max(30.0, 0.8 * run_s - up_s), min_faults, link_cuts=net is not None)
+        for fault in faults:
+            fault.at_s += up_s
+        config = json.loads((node_dir / "config.json").read_text()) if ready else {}
+        counts = {
+            "actor": config.get("actor", {}).get("num_actors", 1),
+            "preprocessor": config.get("num_preprocessors", 1),
+            "server": config.get("inference", {}).get("num_servers", 1),
+        }
+        job.server_urls = config.get("inference", {}).get("urls", [])
+        for fault in faults if ready else []:
+            while job.main.elapsed() < fault.at_s and job.main.proc.poll() is None:
+                time.sleep(0.2)
+            if job.main.proc.poll() is not None:
+                fault.error = "the run had ended"
+                continue
+            fire(job, fault, rng, counts)
+            ctx.log(
+                f"soak: {fault.action} {fault.target} at {fault.fired_s:.0f}s: {fault.error or 'recovered'}"
+            )
+        restarts = job.restarts()
+        code = _end_job(job, run_s)
+        time.sleep(0.5)  # the reader threads' last lines
+    summary_path = node_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    finals = run_dir / "servers_final.json"
+    finals = node_dir / "servers_final.json"
     versions = [s.get("weight_version") for s in json.loads(finals.read_text())] if finals.exists() else []
     ledger = ledger_summary(run_dir)
     steps = summary.get("steps")
     return {
         "seed": seed,
         "run_s": run_s,
+        "hosts": "a (Redis, trainer, preprocessor, actor), b (2 servers)" if hosts else "one",
         "exit_code": code,
         "steps": steps,
         "server_versions": versions,
@@ -307,7 +489,7 @@ def soak(
         "ledger": ledger.lines(),
         "faults": [asdict(f) for f in faults],
         "throughput": throughput(run_dir, started_at, 30.0 if run_s > 300 else 10.0),
-        "log_tail": run.output[-3000:],
+        "log_tail": "".join(f"--- launcher {node}:\n{run.output[-3000:]}" for node, run in job.runs.items()),
     }
 
 
@@ -342,9 +524,11 @@ def verdict(result: dict) -> list[str]:
 def run(ctx: BenchContext) -> dict:
     size = "quick" if ctx.quick else "full"
     run_s = float(ctx.options.get("run_s") or RUN_S[size])
-    # The full size's density (20 in 30 min), never fewer than the short version's 5.
-    min_faults = max(MIN_FAULTS["quick"], round(MIN_FAULTS["full"] * run_s / RUN_S["full"]))
     seed = first_seed(ctx)
+    hosts = _over_hosts(ctx)
+    # The full size's density (20 in 30 min), never fewer than one of each kind of the first round.
+    first_round = len(KILLS) + (len(LINK_CUTS) if hosts else 0)
+    min_faults = max(MIN_FAULTS["quick"], first_round, round(MIN_FAULTS["full"] * run_s / RUN_S["full"]))
     out = ctx.out_dir / NAME / f"seed{seed}-{time.strftime('%H%M%S')}"
     from pipeline_rl.demo.main import RECIPES, prepare_model
 
@@ -357,9 +541,25 @@ def run(ctx: BenchContext) -> dict:
         extra += ("inference.backend=torch", "preprocess.drop_all_equal_groups=false", "eval.num_problems=10")
     else:
         model = prepare_model(recipe)
-    result = soak(ctx, model, out / "run", run_s, min_faults, seed, extra)
+    result = soak(ctx, model, out / "run", run_s, min_faults, seed, extra, hosts=hosts)
     ctx.save_json(f"{NAME}-{size}", result)
     return publish_soak(ctx, result)
+
+
+def _over_hosts(ctx: BenchContext) -> bool:
+    """--hosts 1: over simulated hosts (refused with the reason where they cannot run); --hosts 0: on one
+    host; unset: the full soak over simulated hosts where root allows, the quick one on one host."""
+    from pipeline_rl.testing.simhosts import available
+
+    asked = ctx.options.get("hosts")
+    ok, why = available()
+    if asked is None:
+        return ok and not ctx.quick
+    if asked[0] and not ok:
+        raise SystemExit(
+            f"soak --hosts 1: simulated hosts cannot run here ({why}); --hosts 0 runs on one host"
+        )
+    return bool(asked[0])
 
 
 def publish_soak(ctx: BenchContext, result: dict) -> dict:
@@ -401,8 +601,14 @@ def publish_soak(ctx: BenchContext, result: dict) -> dict:
     intro = (
         f"One launched run of {result['run_s']:.0f} s under {len(faults)} seeded faults (seed {result['seed']}), "
         "every role in turn: SIGKILL of an actor, a preprocessor, a server, the trainer and Redis, SIGSTOP of "
-        "an actor, a preprocessor or a server for 2-6 s. Lost and trained-twice come from the sample ledger's "
-        "positive accounting (docs/trainer.md, Ledger)."
+        "an actor, a preprocessor or a server for 2-6 s"
+        + (
+            ", and the servers' host's link cut for 4-10 s (two simulated hosts: a runs Redis, the trainer, "
+            "the preprocessor and the actor, b the two servers)"
+            if result.get("hosts", "one") != "one"
+            else ", on one host"
+        )
+        + ". Lost and trained-twice come from the sample ledger's positive accounting (docs/trainer.md, Ledger)."
     )
     out = section(ctx, "Soak: a run under random faults", intro, tables, [goal], images=[image])
     out["raw"] = {k: v for k, v in result.items() if k not in ("log_tail",)}

@@ -1,7 +1,9 @@
 """The soak benchmark (benchmarks/soak.py): its schedule and verdict, and the short soak itself — a
-launched run on the torch engine for 170 s under 5 seeded faults, one kill of every role (actor,
-preprocessor, server, trainer, Redis), which must end with every server on the final version, lost = 0
-established by the ledger's positive accounting, nothing trained twice and every role restarted.
+launched run on the torch engine for 170 s under seeded faults, one kill of every role (actor,
+preprocessor, server, trainer, Redis) and, where root allows, over two simulated hosts with the servers'
+host's link cut and healed (6 faults; one host and 5 faults otherwise), which must end with every server
+on the final version, lost = 0 established by the ledger's positive accounting, nothing trained twice
+and every role restarted.
 
     .venv/bin/python -m pytest -q benchmarks/tests/test_soak.py       (about 3 minutes)
 """
@@ -13,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import KILLS, STOPS, schedule, verdict
+from benchmarks.soak import KILLS, LINK_CUTS, STOPS, schedule, verdict
 from benchmarks.tests.test_smoke import _bench, _failure_excerpt
+from pipeline_rl.testing.simhosts import available
 
 
 def test_the_schedule_is_seeded_and_kills_every_role_before_any_fault_repeats() -> None:
@@ -25,6 +28,9 @@ def test_the_schedule_is_seeded_and_kills_every_role_before_any_fault_repeats() 
     times = [f.at_s for f in faults]
     assert times == sorted(times) and 0 < times[0] and times[-1] < 1800 * 1.01
     assert schedule(8, 1800, 20) != faults
+    # Over simulated hosts the link cut joins the kills in the first round.
+    faults = schedule(7, 1800, 20, link_cuts=True)
+    assert {(f.role, f.action) for f in faults[: len(KILLS) + 1]} == set(KILLS + LINK_CUTS)
 
 
 def test_the_verdict_names_every_broken_promise() -> None:
@@ -46,12 +52,16 @@ def test_a_short_soak_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> 
     results, out = tmp_path / "results", tmp_path / "out"
     args = ["soak", "--quick", "--doc", str(tmp_path / "b.md"), "--img-dir", str(tmp_path / "img")]
     args += ["--results-dir", str(results), "--out-dir", str(out)]
+    hosts, _ = available()  # over simulated hosts as root (CI), on one host otherwise
+    args += ["--hosts", "1" if hosts else "0"]
     done = _bench(*args, timeout_s=420, log_path=tmp_path / "soak.log")
     assert done.returncode == 0, _failure_excerpt(done.stdout)
     raw = json.loads((out / "soak-quick.json").read_text())
     assert verdict(raw) == [], "\n".join(verdict(raw)) + "\n" + "\n".join(raw["ledger"]) + raw["log_tail"]
     kills = {f["role"] for f in raw["faults"] if f["action"] == "kill" and f["recovered_s"] is not None}
     assert kills == {"actor", "preprocessor", "server", "trainer", "redis"}, raw["faults"]
+    cuts = [f for f in raw["faults"] if f["action"] == "cut" and f["recovered_s"] is not None]
+    assert len(cuts) == (1 if hosts else 0), raw["faults"]
     assert raw["lost"] == 0 and raw["trained_twice"] == 0 and raw["steps"] > 0
     record = json.loads((results / "soak.json").read_text())
     assert record["goals"][0]["status"] == "met" and record["images"], record["goals"]

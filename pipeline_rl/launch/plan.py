@@ -64,6 +64,19 @@ class NodeShare:
             self.env, self.cores, self.num_gpus, self.evaluates, self.cluster,
         )  # fmt: skip
 
+    def holds_every_stream_client(self, cfg: RunConfig) -> bool:
+        """This node runs the run's Redis (or a backend without one), every actor, every preprocessor and
+        every trainer rank: it alone sees all of them stop, so it can snapshot where untrained samples
+        wait, and it can restart the trainer without another node's ranks."""
+        has_streams = self.redis is not None or cfg.streams.backend != "redis"
+        return (
+            has_streams
+            and self.trainer is not None
+            and self.trainer.num_machines == 1
+            and len(self.actors) == cfg.actor.num_actors
+            and len(self.preprocessors) == cfg.num_preprocessors
+        )
+
     def roles(self) -> set[str]:
         present = {"servers": self.servers, "trainer": self.trainer, "redis": self.redis}
         present |= {"preprocessors": self.preprocessors, "actors": self.actors}

@@ -12,7 +12,8 @@ Supervision (pipeline_rl/launch/supervision.py): a dead server, trainer, actor o
 (non-zero code or a signal) and this node's private Redis (append-only file in <run_dir>/redis: a
 restart keeps what it acknowledged) are restarted under `supervision.*` until their budget is spent; a
 restarted server answers 503 until the trainer re-admits it and pushes the current weights, a restarted
-trainer resumes from its checkpoint. Trainer ranks spread over several hosts are not restarted. An
+trainer resumes from its checkpoint. Trainer ranks spread over several hosts are not restarted (ranks
+all on one host are, by that host's launcher). An
 actor, preprocessor or server exiting 0 stops the run. `GET /status` counts restarts per role. A
 resumed run (trainer.resume with a checkpoint) starts its servers with --await-weights too. Shutdown
 stages, each one SIGTERM then SIGKILL at its deadline: actors, trainer (supervision.trainer_stop_s for
@@ -343,8 +344,7 @@ class Launcher:
                 # an end as its last step.
                 self.trainer_stopped_as_asked = True
                 self._poll_streams()
-                if self.share.servers:
-                    record_servers_final(self.servers_change.urls(), self.run_dir, self.cfg.inference.api_key)
+                record_servers_final(self.servers_change.urls(), self.run_dir, self.cfg.inference.api_key)
                 return 0
             if not run_over:
                 self._poll_streams()
@@ -407,19 +407,19 @@ class Launcher:
         """An unclean exit, for the ledger (its last generated group may be abandoned, not lost)."""
         proc = getattr(unit, "proc", None)
         if code != 0 and proc is not None and "trainer" in self.roles:
-            record_exit(self.run_dir, unit.name, proc.pid, code)
+            record_exit(self.cfg.run_dir, unit.name, proc.pid, code)  # the shared run directory's ledger
 
     def _snapshot_locations(self) -> None:
         """Where the untrained samples wait, for the ledger's positive accounting: at a clean stop only
         (the trainer finished), with every producer and consumer stopped and the streams still up. A
         node of several cannot see the others' processes stop, so a cluster run's report says not
-        established."""
+        established, unless this node runs Redis and every actor, preprocessor and trainer rank."""
         trainer = next((c for c in self.children if c.spec.role == "trainer"), None)
         finished = trainer is not None and (trainer.poll() == 0 or self.trainer_stopped_as_asked)
-        if not finished or self.share.cluster:
+        if not finished or (self.share.cluster and not self.share.holds_every_stream_client(self.cfg)):
             return
         try:
-            snapshot_locations(self.cfg, self.run_dir)
+            snapshot_locations(self.cfg, Path(self.cfg.run_dir))
         except Exception as e:  # the report says "not established"; the run's own result stands
             print(f"(could not snapshot where samples wait: {type(e).__name__}: {e})", file=sys.stderr)
 
@@ -427,7 +427,7 @@ class Launcher:
         if self.supervisor.policy(unit.role) is None:
             return False
         # Trainer ranks on several hosts restart together or not at all: this node cannot do that alone.
-        return not (unit.role == "trainer" and self.share.cluster)
+        return not (unit.role == "trainer" and self.share.trainer and self.share.trainer.num_machines > 1)
 
     def _restart_redis(self) -> bool:
         try:

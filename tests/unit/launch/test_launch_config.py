@@ -333,6 +333,32 @@ def test_cluster_file_gives_each_node_its_share_and_the_same_config(tmp_path):
         cluster_config(spec, ["actor.num_actors=5"], env, need_secrets=True)
 
 
+def test_only_a_node_with_every_stream_client_snapshots_locations_and_restarts_the_trainer(tmp_path):
+    """A node sees every producer and consumer stop (the location snapshot) and can restart the trainer
+    alone only when it runs Redis, every actor, every preprocessor and every trainer rank."""
+    import yaml
+
+    from pipeline_rl.launch.cluster import cluster_config, load_cluster, node_share
+
+    env = {
+        name: "s" * 20 for name in ("PIPELINE_RL_TOKEN", "PIPELINE_RL_API_KEY", "PIPELINE_RL_REDIS_PASSWORD")
+    }
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(CLUSTER))
+    spec = load_cluster(path)
+    cfg = cluster_config(spec, [], env, need_secrets=True)
+    assert not any(node_share(spec, cfg, n).holds_every_stream_client(cfg) for n in "abc")
+    soak_layout = {**CLUSTER, "hosts": [
+        {"name": "a", "address": "10.9.0.1", "redis_port": 6390, "trainer_ranks": 1, "preprocessors": 1, "actors": 1},
+        {"name": "b", "address": "10.9.0.2", "server_ports": [8001, 8002]},
+    ]}  # fmt: skip
+    path.write_text(yaml.safe_dump(soak_layout))
+    spec = load_cluster(path)
+    cfg = cluster_config(spec, [], env, need_secrets=True)
+    a, b = (node_share(spec, cfg, n) for n in "ab")
+    assert a.holds_every_stream_client(cfg) and not b.holds_every_stream_client(cfg)
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
