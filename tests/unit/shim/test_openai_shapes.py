@@ -17,7 +17,7 @@ from support.fake_backend import FakeBackend
 
 from inference_shim.backends.common import model_positions, resolve_max_model_len, spans_from_versions
 from inference_shim.backends.vllm_backend import VllmOptions
-from inference_shim.cli import build_parser, engine_options
+from inference_shim.cli import START_METHOD_ENV, build_parser, engine_options
 from inference_shim.openai_protocol import ChatCompletionRequest
 from inference_shim.server import create_app
 
@@ -136,8 +136,9 @@ def test_per_token_versions_become_contiguous_spans_covering_every_token():
     assert spans_from_versions([]) == []
 
 
-def test_the_engines_start_method_is_a_vllm_flag(tmp_path):
+def test_the_engines_start_method_is_a_vllm_flag(tmp_path, monkeypatch):
     model = _model_dir(tmp_path, max_position_embeddings=96)
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)  # the test suite sets it for the servers it starts
     # vLLM-CPU's own spawn unless told otherwise (VllmOptions' default), in the server and embedded alike.
     assert "start_method" not in engine_options(build_parser().parse_args(["--model", str(model)]))
     assert VllmOptions(model=str(model)).start_method == "spawn"
@@ -146,3 +147,13 @@ def test_the_engines_start_method_is_a_vllm_flag(tmp_path):
     args = build_parser().parse_args(["--model", str(model), "--backend", "torch", "--start-method", "fork"])
     with pytest.raises(SystemExit, match="--start-method needs --backend vllm"):
         engine_options(args)
+    # The environment's default: for vLLM servers only, below an explicit flag, checked.
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    assert engine_options(build_parser().parse_args(["--model", str(model)]))["start_method"] == "fork"
+    args = build_parser().parse_args(["--model", str(model), "--start-method", "spawn"])
+    assert engine_options(args)["start_method"] == "spawn"
+    args = build_parser().parse_args(["--model", str(model), "--backend", "torch"])
+    assert "start_method" not in engine_options(args)
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    with pytest.raises(SystemExit, match=f"{START_METHOD_ENV}='forkserver': use fork or spawn"):
+        engine_options(build_parser().parse_args(["--model", str(model)]))
