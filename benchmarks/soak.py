@@ -172,7 +172,6 @@ class Job:
         self.status_ports = status_ports
         self.net = net
         self.server_urls: list[str] = []
-        self.api_key: str | None = None  # the nodes' shared /v1 key over simulated hosts
 
     @property
     def main(self) -> LaunchedRun:
@@ -263,15 +262,17 @@ def cut_link(job: Job, fault: Fault, rng: random.Random) -> None:
     host = job.net["b"]
     fault.target = "b"
     fault.fired_s = job.main.elapsed()
-    host.link(False)
     try:
-        time.sleep(rng.uniform(*LINK_CUT_S))
-    finally:
-        host.link(True)
-    try:
+        host.link(False)
+        try:
+            time.sleep(rng.uniform(*LINK_CUT_S))
+        finally:
+            host.link(True)
         healed_version = job.status("a")["weight_version"]
-    except (httpx.HTTPError, ValueError, KeyError) as e:
-        fault.error = f"the launcher's /status did not answer after the cut: {e}"
+    except (httpx.HTTPError, ValueError, KeyError, OSError, RuntimeError, subprocess.SubprocessError) as e:
+        fault.error = (
+            f"cutting or healing b's link, or the launcher's /status after it: {type(e).__name__}: {e}"
+        )
         return
     deadline = time.monotonic() + RESTART_WAIT_S
     while time.monotonic() < deadline and job.main.proc.poll() is None:
@@ -384,16 +385,14 @@ def _start_job(ctx: BenchContext, net, overrides: list[str], run_dir: Path) -> J
         ctx.log(f"soak on host {node}: {' '.join(cmd[5:])}")
         node_env = net[node].env(**env, PYTHONUNBUFFERED="1")
         runs[node] = LaunchedRun(cmd, logs / f"{run_dir.name}.launcher-{node}.log", node_env)
-    job = Job({"a": runs["a"], "b": runs["b"]}, ports, net)
-    job.api_key = env["PIPELINE_RL_API_KEY"]
-    return job
+    return Job({"a": runs["a"], "b": runs["b"]}, ports, net)
 
 
 def _end_job(job: Job, run_s: float) -> int | None:
     """Wait for the run's end; over simulated hosts stop b's launcher (servers keep serving until asked)
-    once a's has recorded the servers' final state, so a's Redis sees b's connections close."""
+    once a's has evaluated them after RL, so that a's Redis sees b's connections close."""
     if job.net is not None:
-        job.main.wait_for(r"servers at the end:", run_s + 900)
+        job.main.wait_for(r"held-out accuracy after RL|no server could be evaluated", run_s + 900)
         b = job.runs["b"]
         if b.proc.poll() is None:
             b.proc.send_signal(signal.SIGTERM)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import traceback
@@ -68,6 +69,19 @@ class WeightReceiverExtension:
     def pr_cap_idle_sleep(self) -> None:
         """Called once at start-up: a lost engine-to-worker wake-up costs ms, not 5 s (docs/engines.md, "Idle polling")."""
         _patch_rpc_reader()
+
+    def pr_bind_threads(self, cpus: list[int]) -> int:
+        """A forked worker: bind every thread of this process to `cpus`, as a spawned worker's OpenMP
+        environment binds it (docs/engines.md, "Starting by fork"). Returns the threads bound; a cpu
+        outside this process's allowed set raises (OSError, EINVAL) for the server to report."""
+        bound = 0
+        for tid in (int(t) for t in os.listdir("/proc/self/task")):
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                continue  # a thread that ended meanwhile
+            bound += 1
+        return bound
 
     def pr_init_group(
         self,

@@ -114,6 +114,29 @@ class VllmOptions(BaseModel):
     )
 
 
+def _forked_worker_cpus(vllm_config) -> list[int] | None:
+    """The cpus vLLM-CPU would bind the (first) worker's OpenMP threads to, were it spawned; None where it
+    binds none (not a CPU engine, VLLM_CPU_OMP_THREADS_BIND=nobind) or the list cannot be had."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    try:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        manager = OMPProcessManager(vllm_config)
+    except Exception as e:  # another vLLM's internals: fork then runs with this process's threads
+        log.warning(
+            "cannot tell the worker's cpus (%s: %s); it keeps this process's threads", type(e).__name__, e
+        )
+        return None
+    lists = getattr(manager, "cpu_lists", None)
+    # One worker (tensor parallel size 1): several workers would each need a list of their own.
+    if getattr(manager, "skip_setup", True) or not lists or len(lists) != 1:
+        return None
+    return list(lists[0])
+
+
 def _whole_prefills_on_cpu(max_model_len: int, workers: int) -> dict:
     """Engine arguments that keep vLLM-CPU from splitting a prompt's prefill over several steps.
 
@@ -160,6 +183,7 @@ class VllmBackend(Backend):
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        import torch
         import vllm
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -189,12 +213,19 @@ class VllmBackend(Backend):
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         vllm_config = args.create_engine_config()
         method_before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+        threads_before = torch.get_num_threads()
+        worker_cpus = _forked_worker_cpus(vllm_config) if o.start_method == "fork" else None
         if o.start_method == "fork":
             # vLLM-CPU's platform sets spawn while it builds the config (above); set after it, fork
             # holds for the engine core started here and for the workers it starts (they inherit the
             # environment). vLLM itself still switches to spawn where fork is unsafe (CUDA initialised).
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-            log.info("the engine's processes start by fork")
+            if worker_cpus:
+                # A spawned worker's OpenMP reads its thread count from the environment vLLM sets for
+                # it; a forked one inherits this process's. Sizing the pool is fork-safe (no parallel
+                # region has run here); binding follows once the worker is up (pr_bind_threads).
+                torch.set_num_threads(len(worker_cpus))
+            log.info("the engine's processes start by fork (worker threads on cpus %s)", worker_cpus)
         try:
             self.engine = AsyncLLM.from_vllm_config(
                 vllm_config,
@@ -207,10 +238,15 @@ class VllmBackend(Backend):
                 os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
             else:
                 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method_before
+            if worker_cpus:
+                torch.set_num_threads(threads_before)
         await self.engine.update_weight_version("0")
         await self._rpc(
             "pr_cap_idle_sleep", 60.0
         )  # a lost wake-up must not stall decoding 5 s (Idle polling)
+        if worker_cpus:
+            bound = await self._rpc("pr_bind_threads", 60.0, args=(worker_cpus,))
+            log.info("forked worker: %s threads bound to cpus %s", bound, worker_cpus)
         self.applies_between_steps = await self._engine_core_swaps()
         self.tokenizer = AutoTokenizer.from_pretrained(o.model)
         engine_dtype = str(self.engine.model_config.dtype).removeprefix("torch.")

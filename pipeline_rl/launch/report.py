@@ -108,7 +108,9 @@ def make_plots(run_dir: Path, started_at: float) -> list[Path]:
     return written
 
 
-def summarize(run_dir: Path, started_at: float, extra: dict) -> dict:
+def summarize(run_dir: Path, started_at: float, extra: dict, shared_dir: Path | None = None) -> dict:
+    """<run_dir>/summary.json from the node's stats; the ledger from `shared_dir` (a cluster node's run_dir
+    is its own directory under the shared one, where every node's ledger files are)."""
     rows = _rows(run_dir)
     trainer = [r for r in rows if r.get("type") == "stats" and r.get("source") == "trainer"]
     versions = [r for r in rows if r.get("type") == "version"]
@@ -123,7 +125,7 @@ def summarize(run_dir: Path, started_at: float, extra: dict) -> dict:
         "reward_last_steps": _mean([r.get("reward") for r in trainer[-5:]]),
         "lag_max": lag_max,
         "steps_with_mixed_versions": mixed,
-        "ledger": _ledger(run_dir),
+        "ledger": _ledger(shared_dir or run_dir),
         "phase_times": phase_times(trainer),
         **extra,
     }

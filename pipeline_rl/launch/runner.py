@@ -509,7 +509,7 @@ class Launcher:
         if "after" in done:
             extra["accuracy_after"] = done["after"]["accuracy"]
             extra["final_weight_version"] = done["after"]["weight_version"]
-        summary = summarize(self.run_dir, started, extra)
+        summary = summarize(self.run_dir, started, extra, shared_dir=Path(self.cfg.run_dir))
         plots = make_plots(self.run_dir, started)
         print("\n=== summary ===")
         print(json.dumps(summary, indent=2))
