@@ -295,9 +295,9 @@ def throughput(run_dir: Path, started_at: float, window_s: float) -> list[tuple[
     """(window start from the run's start, trained samples per second in it) over the run."""
     path = run_dir / "trainer_metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    points = [
-        (r["time"] - started_at, r.get("samples_consumed", r.get("samples", 0))) for r in rows if "time" in r
-    ]
+    # Each step's own samples ("samples"; "samples_consumed" is the running total): steps a resumed
+    # trainer redoes count again, as the work they are.
+    points = [(r["time"] - started_at, r.get("samples", 0)) for r in rows if "time" in r]
     if not points:
         return []
     end = max(t for t, _ in points)
@@ -487,6 +487,7 @@ def soak(
         "trained": ledger.trained,
         "ledger": ledger.lines(),
         "faults": [asdict(f) for f in faults],
+        "started_at": started_at,  # epoch seconds of the launcher's start: fault times count from it
         "throughput": throughput(run_dir, started_at, 30.0 if run_s > 300 else 10.0),
         "log_tail": "".join(f"--- launcher {node}:\n{run.output[-3000:]}" for node, run in job.runs.items()),
     }
