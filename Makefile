@@ -27,9 +27,10 @@ test: setup
 	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \
 	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 
-# The contributor's loop: every server-free test (tests/unit and the benchmarks' own unit tests).
+# The contributor's loop: every server-free test (tests/unit and the benchmarks' own unit tests). Work
+# stealing: a worker that runs out takes tests queued on the other, so the few long ones do not end it alone.
 test-unit: setup
-	$(PY) -m pytest -q --timeout=120 -n 2 tests/unit benchmarks/tests -m "not slow and not long"
+	$(PY) -m pytest -q --timeout=120 -n 2 --dist worksteal tests/unit benchmarks/tests -m "not slow and not long"
 
 # One integration file, or all of them one file at a time: make test-integration FILE=tests/integration/test_actor.py
 FILE ?= tests/integration

@@ -23,6 +23,11 @@ from pipeline_rl.config import RunConfig
 from pipeline_rl.messages import CompletionSample, PreprocessorProgress, StatsRecord, WeightVersionEvent
 from pipeline_rl.streams import STATS, TRAINER_EVENTS, make_reader
 
+# How long the launcher's own reads retry a lost Redis: they are for display and for noticing the run's
+# end, and the supervision loop that would restart a dead Redis waits while one retries, so they give up
+# within seconds (the next poll reads on from where they stopped) instead of the children's deadline.
+MONITOR_RETRY_S = 2.0
+
 
 class RunMonitor:
     def __init__(self, cfg: RunConfig, run_dir: Path, trackers=None) -> None:
@@ -34,7 +39,11 @@ class RunMonitor:
         self.version = 0
         self.last_event: dict | None = None
         self.server_health: dict[str, dict] = {}
-        self._readers = [make_reader(cfg.streams, STATS), make_reader(cfg.streams, TRAINER_EVENTS)]
+        # Same connection pool as the launcher's other calls (op_timeout_s keys it), a shorter retry.
+        streams = cfg.streams.model_copy(
+            update={"retry_deadline_s": min(cfg.streams.retry_deadline_s, MONITOR_RETRY_S)}
+        )
+        self._readers = [make_reader(streams, STATS), make_reader(streams, TRAINER_EVENTS)]
         self._lock = threading.Lock()
 
     def poll_streams(self) -> None:

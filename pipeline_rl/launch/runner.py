@@ -63,6 +63,7 @@ from pipeline_rl.launch.supervision import (
 )
 from pipeline_rl.ledger import record_exit
 from pipeline_rl.run_dir import has_checkpoint
+from pipeline_rl.streams import StreamsUnavailable
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
 
@@ -296,9 +297,10 @@ class Launcher:
         except Exception as e:
             if self.redis is not None and not self.redis.running:
                 return  # it died during the read; the supervision loop restarts it
-            if not self.share.cluster:
+            if not self.share.cluster and not isinstance(e, StreamsUnavailable):
                 raise
-            # Another node's Redis may be gone at the end of a run: progress display only.
+            # Unreachable for the monitor's few seconds (restarting, loading its file, or another node's
+            # Redis gone at the end of a run): progress display only; the next poll reads on.
             print(f"(streams unreachable: {type(e).__name__}: {e})", flush=True)
 
     def _close_streams(self) -> None:

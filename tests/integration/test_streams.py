@@ -77,6 +77,44 @@ def test_redis_connection_loss_is_retried_then_reported(tmp_path: Path) -> None:
         server.cleanup()
 
 
+def test_the_launchers_monitor_gives_up_on_a_killed_redis_within_seconds(tmp_path: Path, tiny_model) -> None:
+    """kill -9 of Redis under the launcher's reads: they raise within the monitor's short retry, not the
+    children's 30 s, so the launcher's supervision loop (which restarts Redis) is not held up; once
+    Redis is back the next poll reads on."""
+    import os
+    import signal
+
+    from pipeline_rl.config import RunConfig
+    from pipeline_rl.launch.monitor import MONITOR_RETRY_S, RunMonitor
+    from pipeline_rl.messages import StatsRecord
+    from pipeline_rl.streams import STATS
+
+    server = RedisServer(data_dir=tmp_path / "redis", persist=True).start()  # private: we kill it
+    try:
+        streams = StreamsConfig(redis_url=server.url, run_name="monitor", retry_deadline_s=30.0)
+        cfg = RunConfig(model_path=str(tiny_model), run_dir=str(tmp_path / "run"), streams=streams)
+        monitor = RunMonitor(cfg, tmp_path)
+        writer = make_writer(streams, STATS)
+        writer.write(StatsRecord(source="trainer", values={"step": 1}))
+        monitor.poll_streams()
+        assert monitor.latest["trainer"]["step"] == 1
+        os.kill(server._proc.pid, signal.SIGKILL)
+        server._proc.wait(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(StreamsUnavailable):
+            monitor.poll_streams()
+        assert time.monotonic() - start < MONITOR_RETRY_S + 5.0, (
+            "the monitor retried for the children's deadline"
+        )
+        server.start()  # same port, its append-only file replayed
+        writer.write(StatsRecord(source="trainer", values={"step": 2}))
+        monitor.poll_streams()
+        assert monitor.latest["trainer"]["step"] == 2
+        monitor.close()
+    finally:
+        server.cleanup()
+
+
 def test_private_redis_requires_its_password(redis_server: RedisServer) -> None:
     """The private server refuses a client without the password (any local user can reach loopback) and
     a client with a wrong one fails at once, naming the problem, instead of retrying for the deadline."""

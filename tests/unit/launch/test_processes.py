@@ -69,7 +69,7 @@ def test_a_server_not_healthy_by_the_deadline_is_named(tmp_path):
     children = _children(tmp_path, server_delay_s=60, trainer_code="import time; time.sleep(60)")
     try:
         with pytest.raises(ChildFailed) as failed:
-            wait_all_healthy(children, deadline_s=3)
+            wait_all_healthy(children, deadline_s=1)
     finally:
         _stop(children)
-    assert failed.value.child.name == "server0" and "not healthy after 3s" in str(failed.value)
+    assert failed.value.child.name == "server0" and "not healthy after 1s" in str(failed.value)

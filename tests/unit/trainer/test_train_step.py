@@ -295,7 +295,7 @@ def test_an_unreachable_server_stops_the_trainer_at_connect_with_its_url(tiny_mo
     cfg.inference.urls = [dead]
     # With ejection on (the default) the trainer waits up to startup_timeout_s for a server to come up
     # (a restart takes that long), then stops with each server's reason; with it off it stops at once.
-    cfg.inference.startup_timeout_s = 3
+    cfg.inference.startup_timeout_s = 1
     comm = Comm(rank=0, world=1, local_rank=0, device=CPU)
     for eject in (True, False):
         cfg.trainer.eject_failed_servers = eject
