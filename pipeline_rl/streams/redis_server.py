@@ -95,6 +95,11 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def pid(self) -> int | None:
+        """The redis-server process's pid (None before it started): what a fault test kills."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def returncode(self) -> int | None:
         """The exit status of a server that died (negative: killed by that signal); None while it runs
         or before it started."""
