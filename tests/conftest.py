@@ -47,6 +47,7 @@ SERIAL_FILES = frozenset(
         "test_fault_recovery.py",
         "test_fleet_change.py",
         "test_three_hosts.py",
+        "test_ray_cluster.py",
         "test_multihost_push.py",
         "test_fanout.py",
         "test_overload.py",

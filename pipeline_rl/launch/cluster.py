@@ -57,7 +57,12 @@ class ClusterHost(BaseModel):
     name: str = Field(description="Node name, given to --node on that host (letters, digits, -_).")
     address: str = Field(description="IP address of the host on the cluster network; its listeners bind it.")
     cores: int | None = Field(None, ge=1, description="CPU cores to place on (0..cores-1); unset: all.")
-    gpus: int = Field(0, ge=0, description="GPUs of the host (platform=gpu places trainer ranks, servers).")
+    gpus: int | None = Field(
+        0,
+        ge=0,
+        description="GPUs of the host (platform=gpu); null: CUDA_VISIBLE_DEVICES or nvidia-smi there.",
+    )
+    ifname: str | None = Field(None, description="This host's cluster interface, if not the file's ifname.")
     redis_port: int | None = Field(None, ge=1, le=65535, description="This host runs the run's Redis here.")
     trainer_ranks: int = Field(0, ge=0, description="Trainer ranks here (same count on every trainer host).")
     preprocessors: int = Field(0, ge=0, description="Preprocessor processes here.")
@@ -282,7 +287,8 @@ def node_share(spec: ClusterSpec, cfg: RunConfig, name: str) -> NodeShare:
             port=spec.rendezvous_port,
         )
     # gloo picks its interface from the host name otherwise (often not the cluster network), NCCL too.
-    env = {"GLOO_SOCKET_IFNAME": spec.ifname, "NCCL_SOCKET_IFNAME": spec.ifname}
+    ifname = host.ifname or spec.ifname
+    env = {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
     return NodeShare(
         name=name,
         servers=mine["servers"],

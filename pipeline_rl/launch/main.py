@@ -105,7 +105,9 @@ def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -
         print(f"cluster {args.cluster}: {len(spec.hosts)} host(s), interface {spec.ifname}")
         for name, share in shares.items():
             host = spec.host(name)
-            print(f"\n== node {name} ({host.address}, cores {host.cores or 'all'}, gpus {host.gpus}) ==")
+            print(
+                f"\n== node {name} ({host.address}, cores {host.cores or 'all'}, gpus {'visible' if host.gpus is None else host.gpus}) =="
+            )
             print_plan(cfg, plans[name], Path(cfg.run_dir) / "nodes" / name, None, share)
         return
     share = shares[args.node]
@@ -114,7 +116,8 @@ def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -
     # The Redis password reaches children inside redis_url (secrets file), not through the environment.
     # Every child writes to a log file: Hugging Face's bars there would be carriage-return noise.
     env = quiet_library_bars({k: v for k, v in os.environ.items() if k != REDIS_PASSWORD_ENV})
-    sys.exit(Launcher(cfg, node_dir, share, args.progress_every).run(status_port, env))
+    launcher = Launcher(cfg, node_dir, share, args.progress_every, rejoining=args.rejoin)
+    sys.exit(launcher.run(status_port, env))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,18 +129,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     parser.add_argument("--cluster", default=None, help="cluster file (YAML): the hosts and their roles")
     parser.add_argument("--node", default=None, help="with --cluster: this host's name in the file")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--rejoin", action="store_true", help="with --node: this node returns to a running job (servers wait)"
+    )
+    parser.add_argument(
+        "--ray", default=None, metavar="ADDRESS", help="place the job on this Ray cluster (or auto)"
+    )
+    parser.add_argument(
+        "--ray-ranks-per-node", type=int, default=None, help="with --ray: trainer ranks per node"
+    )
+    parser.add_argument(
+        "--ray-resource",
+        default=None,
+        help="with --ray: the slot resource (default GPU, or CPU on platform=cpu)",
+    )
+    parser.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="with --ray: servers serve on after training, until stopped",
+    )
+    args = parser.parse_intermixed_args(argv)  # options may follow the key=value overrides
     roles = {r.strip() for r in args.roles.split(",") if r.strip()}
     unknown = roles - set(ROLES)
     if unknown:
         sys.exit(f"error: unknown roles {sorted(unknown)}; allowed: {', '.join(ROLES)}")
     _warn_public_secrets(args.overrides)
+    if args.ray:
+        if args.cluster or args.node:
+            sys.exit("error: --ray places the job itself: drop --cluster/--node")
+        from pipeline_rl.launch.ray_launch import ray_main
+
+        ray_main(args)
+        return
     status_port = args.status_port or free_port()
     if args.cluster:
         _cluster_main(args, roles, status_port)
         return
-    if args.node:
-        sys.exit("error: --node needs --cluster FILE")
+    if args.node or args.rejoin:
+        sys.exit("error: --node and --rejoin need --cluster FILE")
     try:
         cfg = compose(args.overrides)
         if not cfg.trainer.resume and cfg.run_dir == "runs/latest":

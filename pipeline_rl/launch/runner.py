@@ -74,7 +74,12 @@ class PeerMissing(RuntimeError):
 
 class Launcher:
     def __init__(
-        self, cfg: RunConfig, run_dir: Path, share: NodeShare, progress_every_s: float = 10.0
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        share: NodeShare,
+        progress_every_s: float = 10.0,
+        rejoining: bool = False,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir  # this node's directory: the run directory itself on one host
@@ -93,8 +98,9 @@ class Launcher:
         self.supervisor = Supervisor(cfg.supervision)
         self.env: dict[str, str] = {}  # the children's base environment, kept for their restarts
         self.servers_change = ServersChange(self)
-        # Resuming from a checkpoint: servers must not serve the start-up weights before the restore push.
-        self.resuming = cfg.trainer.resume and has_checkpoint(Path(cfg.run_dir))
+        # Resuming from a checkpoint, or a node returning to a running job: servers must not serve the
+        # start-up weights before the trainer's restore push.
+        self.resuming = rejoining or (cfg.trainer.resume and has_checkpoint(Path(cfg.run_dir)))
 
     def _on_signal(self, signum, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name
