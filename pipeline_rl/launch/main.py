@@ -157,9 +157,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.ray:
         if args.cluster or args.node:
             sys.exit("error: --ray places the job itself: drop --cluster/--node")
+        import shutil
+
         from pipeline_rl.launch.ray_launch import ray_main
 
-        ray_main(args)
+        args.cluster, args.overrides = ray_main(args)  # only a dry run returns: print its plan
+        try:
+            _cluster_main(args, roles, 0)
+        finally:
+            shutil.rmtree(Path(args.cluster).parent, ignore_errors=True)
         return
     status_port = args.status_port or free_port()
     if args.cluster:

@@ -50,6 +50,7 @@ import yaml
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.cluster import API_KEY_ENV, CLUSTER_KEYS, REDIS_PASSWORD_ENV, TOKEN_ENV
 from pipeline_rl.launch.compose import ConfigError, compose
+from pipeline_rl.launch.runner import TRAINER_FINISHED
 
 RAY_NAMESPACE = "pipeline-rl"
 RESERVE_TIMEOUT_S = 120.0  # the placement group: a cluster without room says so instead of hanging
@@ -383,23 +384,20 @@ class RayJob:
             flush=True,
         )
 
-    def run(self, dry_run: bool) -> int:
+    def run(self, dry_run: bool) -> int | tuple[Path, list[str]]:
+        """The job's exit code; with dry_run, (the cluster file it would use, the nodes' overrides)."""
         self.connect()
         roles, data, run_dir, node_overrides = self.plan()
         cluster_path = Path(run_dir) / "ray" / "cluster.yaml"
-        if dry_run:
+        if dry_run:  # main.py prints every node's plan from this file, as for a hand-run cluster file
             import tempfile
 
-            from pipeline_rl.launch.main import main as launch_main
-
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "cluster.yaml"
-                path.write_text(yaml.safe_dump(data, sort_keys=False))
-                print(
-                    f"Ray cluster {self.options.address}: {len(roles)} node(s) used, slots of {self.resource()}"
-                )
-                launch_main(["--cluster", str(path), "--dry-run", "--roles", self.roles_arg, *node_overrides])
-            return 0
+            print(
+                f"Ray cluster {self.options.address}: {len(roles)} node(s) used, slots of {self.resource()}"
+            )
+            path = Path(tempfile.mkdtemp(prefix="pipeline-rl-ray-plan-")) / "cluster.yaml"
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+            return path, node_overrides
         cluster_path.parent.mkdir(parents=True, exist_ok=True)
         cluster_path.write_text(yaml.safe_dump(data, sort_keys=False))
         self.secrets = self._secrets()
@@ -434,6 +432,9 @@ class RayJob:
         finished: set[str] = set()
         serving_said = False
         while True:
+            finished |= {
+                n for n in trainer_nodes if (Path(run_dir) / "nodes" / n / TRAINER_FINISHED).exists()
+            }
             done = trainer_nodes <= finished
             if self.stop_requested:
                 print(f"\n{self.stop_requested}: stopping every node", flush=True)
@@ -521,10 +522,13 @@ class RayJob:
             self.pg = None
 
 
-def ray_main(args: argparse.Namespace) -> None:
+def ray_main(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """Run the job and exit; a dry run returns (cluster file, overrides) for main.py to print."""
     options = RayOptions(args.ray, args.ray_ranks_per_node, args.ray_resource, keep_serving=args.keep_serving)
     try:
-        job = RayJob(options, args.overrides, args.roles, args.progress_every)
-        sys.exit(job.run(args.dry_run))
+        outcome = RayJob(options, args.overrides, args.roles, args.progress_every).run(args.dry_run)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    if isinstance(outcome, int):
+        sys.exit(outcome)
+    return outcome

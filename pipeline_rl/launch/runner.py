@@ -21,7 +21,9 @@ its last step, push and final checkpoint while the servers are up), preprocessor
 
 When a node is done: a node with trainer ranks when its ranks exit 0; a node without, once the trainer
 published its last version, except that servers keep serving until the launcher is stopped (SIGINT or
-SIGTERM), so the final evaluation (and anyone else) can still use them. If a child dies for good, the
+SIGTERM), so the final evaluation (and anyone else) can still use them. That holds for a cluster node
+with trainer ranks AND servers too: its ranks' end stops its other processes and writes
+TRAINER_FINISHED in its directory; its servers serve on. If a child dies for good, the
 launcher names it, prints the tail of its log, stops the rest and exits non-zero. The node that runs
 Redis keeps it up at the end until the other nodes' processes have disconnected (at most
 REDIS_LINGER_S), so a trainer rank finishing its last step elsewhere still finds it.
@@ -66,6 +68,9 @@ from pipeline_rl.run_dir import has_checkpoint
 from pipeline_rl.streams import StreamsUnavailable
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.streams.redis_server import write_private
+
+# Written into a cluster node's directory when its trainer ranks ended and its servers serve on.
+TRAINER_FINISHED = "trainer_finished"
 
 
 class PeerMissing(RuntimeError):
@@ -134,6 +139,8 @@ class Launcher:
             code = self._supervise()
             if code == 0 and self.share.evaluates:
                 self.evals.evaluate("after")
+            if code == 0 and self.share.cluster and self.share.trainer and self.share.servers:
+                code = self._serve_until_stopped()
             return code
         except ChildFailed as e:
             return self._fail(e.child, e.what)
@@ -374,6 +381,25 @@ class Launcher:
                 print(self.monitor.progress_line(), flush=True)
                 last_progress = time.monotonic()
             time.sleep(0.5)
+
+    def _serve_until_stopped(self) -> int:
+        """A cluster node with trainer ranks and servers: the training is over, the servers serve on
+        (like a servers-only node's) until this launcher is stopped. TRAINER_FINISHED tells whoever
+        watches the shared run directory (the Ray launcher) that this node's ranks are done."""
+        (self.run_dir / TRAINER_FINISHED).write_text("0\n")
+        rest = [c for c in self.children if c.spec.role not in ("servers", "trainer")]
+        stop_all(rest, grace_s=self.cfg.supervision.trainer_stop_s)
+        self.children = [c for c in self.children if c.spec.role == "servers"]
+        self._close_streams()
+        print("servers keep serving until this launcher is stopped (Ctrl-C / SIGTERM)", flush=True)
+        while not self._interrupted():
+            failed = self._check_processes()
+            if failed is not None:
+                return failed
+            self.servers_change.retire_removed()
+            time.sleep(0.5)
+        print(f"\n{self.stop_requested}: stopping every process", flush=True)
+        return 0
 
     def _check_processes(self) -> int | None:
         """Schedule the restart of each restartable process that died and perform those that are due;

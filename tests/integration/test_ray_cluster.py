@@ -206,6 +206,14 @@ def test_a_job_on_three_ray_nodes_survives_losing_a_server_node(tmp_path):
             "5",
             *RUN,
         ]
+        # --dry-run: the placement per node from the live cluster, reserving nothing.
+        dry_log = tmp_path / "dry-run.log"
+        dry = a.run([*entry, "--dry-run"], env=nodes.env("a", RAY_ADDRESS=nodes.address), log_path=dry_log)
+        assert dry.wait(timeout=180) == 0, _text(dry_log)
+        plan = _text(dry_log)
+        for name, role in (("a", "redis"), ("a", "actor0"), ("b", "server0"), ("c", "server1")):
+            node = f"== node n{net[name].address.replace('.', '-')}"
+            assert node in plan and role in plan.split(node, 1)[1].split("== node", 1)[0], plan
         submit = [nodes.ray, "job", "submit", "--address", nodes.dashboard, "--submission-id", "prl-test"]
         submitted = a.run(
             [*submit, "--no-wait", "--", *entry], env=nodes.env("a"), log_path=tmp_path / "submit.log"
