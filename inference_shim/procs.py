@@ -204,8 +204,10 @@ def wait_healthy(
     proc: subprocess.Popen | None = None,
     log_path: str | os.PathLike | None = None,
     path: str = "/health",
+    awaiting_ok: bool = False,
 ) -> None:
-    """Poll GET url+path until it answers 200.
+    """Poll GET url+path until it answers 200 (or, awaiting_ok, 503 awaiting_weights: a server started
+    with --await-weights is up and waits for the trainer's push, which may be what the caller precedes).
 
     Raises RuntimeError as soon as proc (if given) has exited, TimeoutError after deadline_s; both
     messages carry the tail of log_path when one is given.
@@ -215,8 +217,15 @@ def wait_healthy(
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited with code {proc.returncode} during startup{tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + path, timeout=2.0).status_code == 200:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            answer = httpx.get(url + path, timeout=2.0)
+            if answer.status_code == 200:
+                return
+            if (
+                awaiting_ok
+                and answer.status_code == 503
+                and answer.json().get("status") == "awaiting_weights"
+            ):
                 return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} not healthy after {deadline_s:.0f}s{tail()}")

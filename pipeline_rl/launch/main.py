@@ -144,6 +144,12 @@ def main(argv: list[str] | None = None) -> None:
         help="with --ray: the slot resource (default GPU, or CPU on platform=cpu)",
     )
     parser.add_argument(
+        "--ray-rejoin-wait",
+        type=float,
+        default=600.0,
+        help="with --ray: seconds to wait for a lost trainer/Redis node to return before stopping",
+    )
+    parser.add_argument(
         "--keep-serving",
         action="store_true",
         help="with --ray: servers serve on after training, until stopped",

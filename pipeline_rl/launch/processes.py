@@ -181,7 +181,11 @@ def wait_all_healthy(children: list[Child], deadline_s: float) -> None:
                     raise ChildFailed(other, f"exited with code {other.poll()} while the servers started")
             try:
                 procs.wait_healthy(
-                    child.spec.url, min(2.0, max(0.0, deadline - time.monotonic())), child.proc
+                    child.spec.url,
+                    min(2.0, max(0.0, deadline - time.monotonic())),
+                    child.proc,
+                    # Started to await the trainer's weights (restarted, rejoining, resuming): up at 503.
+                    awaiting_ok="--await-weights" in child.spec.argv,
                 )
                 break
             except RuntimeError:

@@ -29,8 +29,10 @@ never in argv, never in a runtime_env (the dashboard shows both).
 Faults: a node launcher that exits non-zero stops the job (as a child does on one host). A lost node
 (its raylet and processes gone): servers-only, the run goes on (the trainer ejects its servers within
 the push deadline) and, once the node is back in the cluster, its share starts again with --rejoin
-(servers wait for the trainer's current weights); with trainer ranks or Redis, the job stops with its
-last checkpoint and says how to resume (docs/several-hosts.md).
+(servers wait for the trainer's current weights); with trainer ranks or Redis, every other node stops,
+and when the node is back (within --ray-rejoin-wait) every node starts again with trainer.resume=true:
+the trainer from its newest checkpoint, Redis from its append-only file on the shared storage
+(docs/several-hosts.md).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class RayOptions:
     ranks_per_node: int | None = None
     resource: str | None = None  # None: GPU on platform=gpu, CPU on platform=cpu
     keep_serving: bool = False  # after training, the servers serve on until the job is stopped
+    rejoin_wait_s: float = 600.0  # a lost trainer/Redis node: how long the job waits for it to return
 
 
 def layout(nodes: list[RayNode], ranks: int, ranks_per_node: int | None, servers: int) -> list[NodeRoles]:
@@ -205,7 +208,8 @@ class _NodeLauncher:
         env.update(secrets, PYTHONUNBUFFERED="1")
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "pipeline_rl.cli", "launch", *argv_tail]
-        self.proc = start_child(argv, env=env, log_path=log_path, cwd=cwd)
+        # The driver's working directory where this node has it (relative paths then mean the same).
+        self.proc = start_child(argv, env=env, log_path=log_path, cwd=cwd if Path(cwd).is_dir() else None)
         return self.proc.pid
 
     def wait(self) -> int:
@@ -454,14 +458,17 @@ class RayJob:
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                     self.actors.pop(name, None)
                     if r.trainer_ranks or r.control:
-                        print(
-                            f"\nERROR: node {name} ({r.node.address}) was lost with the trainer or Redis "
-                            f"({type(e).__name__}); the job stops with its last checkpoint. Resume it with "
-                            f"the same command and trainer.resume=true run_dir={run_dir}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        return 1
+                        if not self._await_core_node(name, index, r, run_dir, type(e).__name__):
+                            return 1
+                        # Everything starts again, resuming: the trainer from its newest checkpoint,
+                        # Redis from its append-only file (this run's streams), servers awaiting weights.
+                        if "trainer.resume=true" not in node_overrides:
+                            node_overrides = [*node_overrides, "trainer.resume=true"]
+                        finished.clear()
+                        self.lost.clear()
+                        for i, again in enumerate(roles):
+                            self.start_node(i, again, cluster_path, run_dir, node_overrides, rejoin=False)
+                        break
                     print(
                         f"node {name} ({r.node.address}) lost: the trainer ejects its server(s) at its next "
                         "push; its share starts again when the node rejoins the Ray cluster",
@@ -495,6 +502,29 @@ class RayJob:
                         f"(node {name}: starting its share again failed: {type(e).__name__}: {e})", flush=True
                     )
 
+    def _await_core_node(self, name: str, index: int, r: NodeRoles, run_dir: str, why: str) -> bool:
+        """A node with trainer ranks or Redis was lost: stop every other node, then wait (at most
+        options.rejoin_wait_s) for it to rejoin the Ray cluster. False: it did not; the job stops."""
+        print(
+            f"node {name} ({r.node.address}) lost with the trainer or Redis ({why}): stopping every other "
+            f"node; the job resumes from its newest checkpoint when {name} rejoins the Ray cluster "
+            f"(waiting up to {self.options.rejoin_wait_s:.0f}s)",
+            flush=True,
+        )
+        self._stop_nodes()
+        deadline = time.monotonic() + self.options.rejoin_wait_s
+        while not self._bundle_back(index):
+            if self.stop_requested or time.monotonic() > deadline:
+                print(
+                    f"\nERROR: node {name} did not rejoin; the job stops with its last checkpoint. Resume "
+                    f"it with the same command and trainer.resume=true run_dir={run_dir}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return False
+            time.sleep(1.0)
+        return True
+
     def _bundle_back(self, index: int) -> bool:
         """The lost node's bundle is placed again on a live node (its address rejoined the cluster)."""
         from ray.util import placement_group_table
@@ -503,8 +533,8 @@ class RayJob:
         alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
         return node_id is not None and node_id in alive
 
-    def _stop_all(self) -> None:
-        """Every node launcher stops its own children in stages; then the reservation goes."""
+    def _stop_nodes(self) -> None:
+        """Every node launcher stops its own children in its own stages."""
         ray = self.ray
         stops = {name: actor.stop.remote(STOP_GRACE_S) for name, actor in self.actors.items()}
         for name, ref in stops.items():
@@ -515,6 +545,11 @@ class RayJob:
         for actor in self.actors.values():
             ray.kill(actor)
         self.actors.clear()
+        self.waits.clear()
+
+    def _stop_all(self) -> None:
+        """The nodes, then the reservation."""
+        self._stop_nodes()
         if self.pg is not None:
             from ray.util import remove_placement_group
 
@@ -524,7 +559,13 @@ class RayJob:
 
 def ray_main(args: argparse.Namespace) -> tuple[Path, list[str]]:
     """Run the job and exit; a dry run returns (cluster file, overrides) for main.py to print."""
-    options = RayOptions(args.ray, args.ray_ranks_per_node, args.ray_resource, keep_serving=args.keep_serving)
+    options = RayOptions(
+        args.ray,
+        args.ray_ranks_per_node,
+        args.ray_resource,
+        keep_serving=args.keep_serving,
+        rejoin_wait_s=args.ray_rejoin_wait,
+    )
     try:
         outcome = RayJob(options, args.overrides, args.roles, args.progress_every).run(args.dry_run)
     except ConfigError as e:

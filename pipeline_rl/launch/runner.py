@@ -13,7 +13,7 @@ Supervision (pipeline_rl/launch/supervision.py): a dead server, trainer, actor o
 restart keeps what it acknowledged) are restarted under `supervision.*` until their budget is spent; a
 restarted server answers 503 until the trainer re-admits it and pushes the current weights, a restarted
 trainer resumes from its checkpoint. Trainer ranks spread over several hosts are not restarted (ranks
-all on one host are, by that host's launcher). An
+all on one host are, by that host's launcher; the Ray launcher restarts every node). An
 actor, preprocessor or server exiting 0 stops the run. `GET /status` counts restarts per role. A
 resumed run (trainer.resume with a checkpoint) starts its servers with --await-weights too. Shutdown
 stages, each one SIGTERM then SIGKILL at its deadline: actors, trainer (supervision.trainer_stop_s for
@@ -165,7 +165,8 @@ class Launcher:
             self.redis = RedisServer(
                 data_dir=self.run_dir / "redis", persist=True, host=host, port=port, password=password
             )
-            self.redis.discard_persisted()  # a previous launch's streams are not this one's
+            if not self.resuming:  # a previous launch's streams are not this one's; a resumed run's are
+                self.redis.discard_persisted()
             self.redis.start()
             if not cfg.streams.redis_url:
                 streams = cfg.streams.model_copy(update={"redis_url": self.redis.url})
@@ -259,7 +260,8 @@ class Launcher:
             if self._interrupted():
                 return
             try:
-                wait_healthy(url, max(0.0, deadline - time.monotonic()))
+                # A resumed run's servers await the trainer's restore push: up, not yet serving.
+                wait_healthy(url, max(0.0, deadline - time.monotonic()), awaiting_ok=True)
             except TimeoutError:
                 raise PeerMissing(f"server {url} (on another node) not healthy in time") from None
         print("every server of the run is healthy", flush=True)

@@ -136,14 +136,16 @@ class WeightPublisher:
     def _wait_servers_started(self) -> None:
         """The launcher starts the trainer while its servers start (the model load overlaps the engine's
         start-up), with the time by which they must be up: until then, wait for each to answer /health
-        with 200, so the group forms with every server. One still not up is then handled as a down server
-        is (left out and admitted when it answers, or the join fails)."""
+        with 200 (or 503 awaiting_weights: a resumed run's servers wait for this trainer's push), so the
+        group forms with every server. One still not up is then handled as a down server is (left out
+        and admitted when it answers, or the join fails)."""
         until = float(os.environ.get(SERVERS_STARTING_UNTIL_ENV) or 0)
         if until <= time.time():  # a trainer restarted later: a down server is left out, not waited for
             return
         for url in self.urls:
             try:
-                wait_healthy(url, max(0.0, until - time.time()))
+                # awaiting_weights counts: a resumed run's servers wait for this trainer's restore push.
+                wait_healthy(url, max(0.0, until - time.time()), awaiting_ok=True)
             except TimeoutError:
                 log.warning("%s not healthy by the servers' start-up deadline: joining without it", url)
 

@@ -178,6 +178,31 @@ def _ours(pids: set[int]) -> set[int]:
     return found
 
 
+def _submit(nodes, entry: list[str], run_dir: Path, tmp_path: Path):
+    """`ray job submit --no-wait -- ENTRY` from the head: (driver log, _Job, tails() for messages)."""
+    a = nodes.net["a"]
+    submit = [nodes.ray, "job", "submit", "--address", nodes.dashboard, "--submission-id", "prl-test"]
+    submitted = a.run(
+        [*submit, "--no-wait", "--", *entry], env=nodes.env("a"), log_path=tmp_path / "submit.log"
+    )
+    assert submitted.wait(timeout=120) == 0, (tmp_path / "submit.log").read_text()
+    # The driver runs on the head; its output is Ray's job log there (what `ray job logs` shows).
+    job_log = nodes.temp_dirs["a"] / "session_latest" / "logs" / "job-driver-prl-test.log"
+
+    def tails() -> str:
+        parts = [f"--- ray job submit:\n{log_tail(job_log, 60)}"]
+        for log in sorted(run_dir.glob("nodes/*/launcher.log")):
+            parts.append(f"--- {log.parent.name}:\n{log_tail(log, 40)}")
+        return "\n".join(parts)
+
+    return job_log, _Job(nodes), tails
+
+
+def _entry(model: Path, run_dir: Path, *extra: str) -> list[str]:
+    entry = [sys.executable, "-m", "pipeline_rl.cli", "launch", "--ray", "auto", f"model_path={model}"]
+    return [*entry, f"run_dir={run_dir}", "--progress-every", "5", *RUN, *extra]
+
+
 def test_a_job_on_three_ray_nodes_survives_losing_a_server_node(tmp_path):
     from pipeline_rl.ledger import ledger_summary
     from pipeline_rl.testing.raynodes import RayNodes
@@ -188,24 +213,7 @@ def test_a_job_on_three_ray_nodes_survives_losing_a_server_node(tmp_path):
     with SimNet(["a", "b", "c"]) as net, RayNodes(net, {"a": 1, "b": 2, "c": 1}, tmp_path / "ray") as nodes:
         nodes.start()
         a = net["a"]
-        entry = [
-            sys.executable,
-            "-m",
-            "pipeline_rl.cli",
-            "launch",
-            "--ray",
-            "auto",
-            "--ray-ranks-per-node",
-            "1",
-        ]
-        entry += [
-            "--keep-serving",
-            f"model_path={model}",
-            f"run_dir={run_dir}",
-            "--progress-every",
-            "5",
-            *RUN,
-        ]
+        entry = _entry(model, run_dir, "--ray-ranks-per-node", "1", "--keep-serving")
         # --dry-run: the placement per node from the live cluster, reserving nothing.
         dry_log = tmp_path / "dry-run.log"
         dry = a.run([*entry, "--dry-run"], env=nodes.env("a", RAY_ADDRESS=nodes.address), log_path=dry_log)
@@ -214,20 +222,7 @@ def test_a_job_on_three_ray_nodes_survives_losing_a_server_node(tmp_path):
         for name, role in (("a", "redis"), ("a", "actor0"), ("b", "server0"), ("c", "server1")):
             node = f"== node n{net[name].address.replace('.', '-')}"
             assert node in plan and role in plan.split(node, 1)[1].split("== node", 1)[0], plan
-        submit = [nodes.ray, "job", "submit", "--address", nodes.dashboard, "--submission-id", "prl-test"]
-        submitted = a.run(
-            [*submit, "--no-wait", "--", *entry], env=nodes.env("a"), log_path=tmp_path / "submit.log"
-        )
-        assert submitted.wait(timeout=120) == 0, (tmp_path / "submit.log").read_text()
-        # The driver runs on the head; its output is Ray's job log there (what `ray job logs` shows).
-        job_log = nodes.temp_dirs["a"] / "session_latest" / "logs" / "job-driver-prl-test.log"
-        job = _Job(nodes)
-
-        def tails() -> str:
-            parts = [f"--- ray job submit:\n{log_tail(job_log, 60)}"]
-            for log in sorted(run_dir.glob("nodes/*/launcher.log")):
-                parts.append(f"--- {log.parent.name}:\n{log_tail(log, 40)}")
-            return "\n".join(parts)
+        job_log, job, tails = _submit(nodes, entry, run_dir, tmp_path)
 
         deadline = time.monotonic() + DEADLINE_S
         cluster = run_dir / "ray" / "cluster.yaml"
@@ -340,3 +335,45 @@ def test_a_job_on_three_ray_nodes_survives_losing_a_server_node(tmp_path):
         while left := _run_processes(net):
             assert time.monotonic() < gone_by, f"processes of the run left after the job stopped: {left}"
             time.sleep(1)
+
+
+@pytest.mark.long
+def test_a_lost_trainer_node_resumes_from_its_checkpoint_when_it_returns(tmp_path):
+    """The head a runs only the driver (0 slots), b the trainer with Redis, the preprocessor and the
+    actor, c the server. b is lost after a checkpoint: every other node stops; when b rejoins, every
+    node starts again with trainer.resume=true (Redis from its append-only file in b's directory on the
+    shared storage) and the run finishes its steps with the ledger balanced, nothing trained twice."""
+    from pipeline_rl.ledger import ledger_summary
+    from pipeline_rl.testing.raynodes import RayNodes
+    from pipeline_rl.trainer.checkpoint import latest_checkpoint, read_state
+
+    model = build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=3))
+    run_dir = tmp_path / "run"
+    with SimNet(["a", "b", "c"]) as net, RayNodes(net, {"a": 0, "b": 1, "c": 1}, tmp_path / "ray") as nodes:
+        nodes.start()
+        entry = _entry(model, run_dir, "trainer.num_processes=1", "inference.num_servers=1")
+        entry += ["trainer.checkpoint_every=2"]
+        job_log, job, tails = _submit(nodes, entry, run_dir, tmp_path)
+        deadline = time.monotonic() + DEADLINE_S
+        while (checkpoint := latest_checkpoint(run_dir)) is None or read_state(checkpoint).step < 4:
+            assert job.running(), f"the job ended early\n{tails()}"
+            assert time.monotonic() < deadline, f"no checkpoint at step 4\n{tails()}"
+            time.sleep(1)
+        nodes.lose("b")
+        while "lost with the trainer or Redis" not in _text(job_log):
+            assert job.running(), f"the job ended after b was lost\n{tails()}"
+            assert time.monotonic() < deadline, f"the driver did not see b lost\n{tails()}"
+            time.sleep(1)
+        nodes.rejoin("b")
+        assert job.wait(timeout=max(0.0, deadline - time.monotonic())) == "SUCCEEDED", (
+            f"{job.last}\n{tails()}"
+        )
+
+        checkpoint = latest_checkpoint(run_dir)
+        assert checkpoint is not None and read_state(checkpoint).step == STEPS, checkpoint
+        ledger = ledger_summary(run_dir)
+        assert ledger.balanced and not ledger.duplicates_trained, "\n".join(ledger.lines())
+        events = [
+            json.loads(line) for line in (run_dir / "ledger" / "trainer.jsonl").read_text().splitlines()
+        ]
+        assert any(e.get("event") == "resume" and e.get("step", 0) >= 4 for e in events), events[:5]
