@@ -29,6 +29,7 @@ import ipaddress
 import re
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -47,6 +48,22 @@ CLUSTER_KEYS = (
     "trainer.weight_address", "actor.num_actors", "num_preprocessors", "streams.redis_url",
     "streams.redis_bind", "placement.num_gpus",
 )  # fmt: skip
+
+
+def public_secrets(overrides: list[str]) -> list[str]:
+    """Why each key=value that puts a secret in argv (visible to every local user in ps) should go."""
+    problems = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.strip().lstrip("+~")
+        if key in ("inference.token", "inference.api_key"):
+            env_var = TOKEN_ENV if key == "inference.token" else API_KEY_ENV
+            problems.append(f"{key}=... would be in argv: export {env_var} instead")
+        elif key == "streams.redis_url" and urlsplit(value).password is not None:
+            problems.append(
+                f"{key} holds a password: export {REDIS_PASSWORD_ENV} and give the URL without it"
+            )
+    return problems
 
 
 class ClusterHost(BaseModel):

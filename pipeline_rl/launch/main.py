@@ -49,21 +49,13 @@ from pipeline_rl.launch.plan import (  # noqa: F401 - re-exported: the launcher'
 from pipeline_rl.launch.preflight import with_model_length
 from pipeline_rl.launch.runner import Launcher
 from pipeline_rl.progress import quiet_library_bars
-from pipeline_rl.streams.config import redact_url
 
 
 def _warn_public_secrets(overrides: list[str]) -> None:
-    for override in overrides:
-        key, _, value = override.partition("=")
-        env_var = {"inference.token": "PIPELINE_RL_TOKEN", "inference.api_key": "PIPELINE_RL_API_KEY"}.get(
-            key
-        )
-        if env_var or (key == "streams.redis_url" and redact_url(value) != value):
-            hint = f" (export {env_var} instead)" if env_var else ""
-            print(
-                f"warning: {key} on the command line is visible to every local user (ps){hint}",
-                file=sys.stderr,
-            )
+    from pipeline_rl.launch.cluster import public_secrets
+
+    for problem in public_secrets(overrides):
+        print(f"warning: {problem} (argv is visible to every local user)", file=sys.stderr)
 
 
 def _preflight(cfg, shares: list[NodeShare], dry_run: bool):

@@ -54,7 +54,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 DEFAULT_PORT = 6379
 OBJECT_STORE_CAP_GB = 8.0
@@ -445,24 +444,6 @@ def interface_ip(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def public_secrets(overrides: Sequence[str]) -> list[str]:
-    """Why each override that would put a secret in argv (visible in ps) must go."""
-    from pipeline_rl.launch.cluster import API_KEY_ENV, REDIS_PASSWORD_ENV, TOKEN_ENV
-
-    problems = []
-    for override in overrides:
-        key, _, value = override.partition("=")
-        key = key.lstrip("+~")
-        if key in ("inference.token", "inference.api_key"):
-            env_var = TOKEN_ENV if key == "inference.token" else API_KEY_ENV
-            problems.append(f"{key}=... would be in argv: export {env_var} before sbatch instead")
-        elif key == "streams.redis_url" and urlsplit(value).password is not None:
-            problems.append(
-                f"{key} holds a password: export {REDIS_PASSWORD_ENV} and give the URL without it"
-            )
-    return problems
-
-
 def write_token(path: Path) -> None:
     """A new Ray token in `path` (mode 0600 from creation; its directory 0700)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -528,7 +509,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not args.address:
                 raise ValueError("--check-nodes needs --address HOST:PORT")
             sys.exit(check_nodes(args.address, args.check_nodes))
-        problems = public_secrets(overrides)
+        from pipeline_rl.launch.cluster import public_secrets  # not at import: the node checker stays light
+
+        problems = public_secrets(list(overrides))
         if problems:
             raise ValueError("; ".join(problems))
         alloc = allocation(os.environ, args.nodelist)

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from pipeline_rl.launch import slurm
+from pipeline_rl.launch.cluster import public_secrets
 from pipeline_rl.launch.slurm import (
     Step,
     active_nodes,
     allocation,
     object_store_bytes,
     parse_nodelist,
-    public_secrets,
     ray_commands,
     ray_env,
     render_script,
@@ -190,8 +190,8 @@ def test_overrides_that_would_put_a_secret_in_argv_are_refused(capsys) -> None:
     assert public_secrets(
         ["inference.token=abc", "+inference.api_key=k", "streams.redis_url=redis://:pw@h/0"]
     ) == [
-        "inference.token=... would be in argv: export PIPELINE_RL_TOKEN before sbatch instead",
-        "inference.api_key=... would be in argv: export PIPELINE_RL_API_KEY before sbatch instead",
+        "inference.token=... would be in argv: export PIPELINE_RL_TOKEN instead",
+        "inference.api_key=... would be in argv: export PIPELINE_RL_API_KEY instead",
         "streams.redis_url holds a password: export PIPELINE_RL_REDIS_PASSWORD and give the URL without it",
     ]
     with pytest.raises(SystemExit, match="export PIPELINE_RL_TOKEN"):
