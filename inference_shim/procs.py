@@ -62,17 +62,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = _ephemeral_low()
     for _ in range(64):
         port = _DRAW.randint(EXPLICIT_PORTS_FROM, low - 1) if low > EXPLICIT_PORTS_FROM + 1000 else 0
+        if port in _HANDED_OUT:
+            # One launcher draws a port per server and one for the trainer before any of them binds:
+            # a second draw of the same number would pass the bind test below and collide later.
+            continue
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            port = s.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
     raise OSError(f"no free TCP port on {host} between {EXPLICIT_PORTS_FROM} and {low - 1}")
 
 
 EXPLICIT_PORTS_FROM = 10000  # free_port() draws from here up to the ephemeral range
 _DRAW = random.SystemRandom()  # never seeded: two processes that seeded `random` alike draw apart
+_HANDED_OUT: set[int] = set()  # every port this process has returned; never returned twice
 
 
 def _ephemeral_low() -> int:

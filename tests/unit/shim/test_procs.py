@@ -46,6 +46,18 @@ def test_free_port_can_be_bound() -> None:
         s.bind(("127.0.0.1", port))
 
 
+def test_free_port_never_returns_a_port_twice_in_one_process(monkeypatch) -> None:
+    # A launcher draws every server's port and the trainer's before any binds: a repeated random draw
+    # must not hand out the same free port twice (it did once, and two roles fought over it).
+    import inference_shim.procs as procs
+
+    first = free_port()
+    draws = iter([first, first, first + 1 if first + 1 < procs._ephemeral_low() else first - 1])
+    monkeypatch.setattr(procs._DRAW, "randint", lambda low, high: next(draws))
+    second = free_port()
+    assert second != first
+
+
 def test_serve_argv_runs_the_shim_module() -> None:
     argv = serve_argv("/m", 8123, extra=("--seed", "1"))
     assert argv[:3] == [sys.executable, "-m", "inference_shim"]
