@@ -148,6 +148,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="answer 503 awaiting_weights on /health and generation until the first weight update "
         "(a server started mid-run, or for a resumed run, must not serve the start-up weights)",
     )
+    p.add_argument(
+        "--lora-max-rank",
+        type=int,
+        default=None,
+        help="serve a LoRA adapter trained by the trainer: take adapter updates of at most this rank, "
+        "in memory (vllm, torch, capture backends); the served model is then the base plus the newest "
+        "adapter, and the base alone is `MODEL:base` on vllm (docs/lora.md)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn / logging level")
     add_limit_arguments(p)
 
@@ -181,11 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The backend's options (VllmOptions, SglangOptions or CaptureOptions fields) from parsed flags."""
+    lora = {}
+    if args.lora_max_rank is not None:
+        if args.lora_max_rank < 1:
+            raise SystemExit(f"--lora-max-rank {args.lora_max_rank}: give a rank of 1 or more")
+        if args.backend == "sglang":
+            raise SystemExit(
+                "--lora-max-rank: the sglang backend cannot take adapters in memory (docs/lora.md, Engines)"
+            )
+        lora["lora_max_rank"] = args.lora_max_rank
     if args.backend == "capture":
         return {
             "model": args.model,
             "served_model_name": args.served_model_name,
             "capture_dir": args.capture_dir,
+            **lora,
         }
     if args.capture_dir is not None:
         raise SystemExit("--capture-dir needs --backend capture")
@@ -240,6 +258,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "seed": args.seed,
         "kv_after_update": args.kv_after_update,
+        **lora,
     }
     if args.backend == "torch":
         return common

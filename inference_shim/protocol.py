@@ -31,7 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # docs/contract.md, "Changes", says what each version changed. 2.0: store values are signed (a 1.0
 # trainer's unsigned ones read as an abort), so a weight update must say it signs them (store_signing).
-CONTRACT_VERSION = "2.0"
+# 2.1: adapter updates (WeightUpdateRequest.adapter) and /capabilities lora; a 2.0 peer sends and
+# reads neither, so nothing it does changes.
+CONTRACT_VERSION = "2.1"
 STORE_SIGNING = "hmac-sha256"
 
 # Bytes per element of every dtype the weight transfer accepts (the torch dtype name without "torch.").
@@ -114,6 +116,33 @@ class TensorMeta(_Strict):
         return n
 
 
+class AdapterSpec(_Strict):
+    """A LoRA adapter update: what its tensors are (docs/contract.md § Adapter updates)."""
+
+    rank: int = Field(ge=1, le=512, description="r: lora_A is [r, in_features], lora_B [out_features, r].")
+    alpha: float = Field(
+        gt=0, description="The adapter adds (alpha / rank) * lora_B @ lora_A to each weight."
+    )
+    target_modules: list[str] = Field(
+        min_length=1,
+        description="Last names of the linear layers with an adapter (q_proj, ...); every such layer of "
+        "the model gets one, so the update carries a lora_A and a lora_B for each.",
+    )
+
+
+def adapter_tensor_names(module: str) -> tuple[str, str]:
+    """The names of one layer's adapter tensors on the wire: those peft writes in adapter_model.safetensors,
+    e.g. module model.layers.0.self_attn.q_proj -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    prefix = f"{PEFT_PREFIX}{module}"
+    return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
+
+
+PEFT_PREFIX = "base_model.model."  # what peft puts before the base model's module names
+# A LoRA server serves the base plus the newest adapter under its model name; `model` set to the name
+# plus this suffix asks for the base model alone (vLLM only; docs/lora.md, Naming).
+BASE_MODEL_SUFFIX = ":base"
+
+
 class WeightUpdateRequest(_Strict):
     version: int = Field(
         ge=0,
@@ -145,6 +174,12 @@ class WeightUpdateRequest(_Strict):
     )
     fanout_chunk_bytes: int = Field(
         default=1 << 20, ge=4096, le=64 << 20, description="Chunk size of a chain relay."
+    )
+    adapter: AdapterSpec | None = Field(
+        default=None,
+        description="Set: the tensors are a LoRA adapter, every lora_A/lora_B of adapter_tensor_names() "
+        "for the layers the spec targets, applied to the served base model in memory (only where "
+        "/capabilities lora is in_memory). None: the tensors are every weight of the model.",
     )
     store_signing: Literal["hmac-sha256"] = Field(
         default=STORE_SIGNING,
@@ -311,6 +346,13 @@ class Capabilities(BaseModel):
     structured_output: bool = Field(
         default=False, description="response_format json_object/json_schema and forced tool calls."
     )
+    lora: Literal["in_memory", "none"] = Field(
+        default="none",
+        description="in_memory: takes adapter updates (WeightUpdateRequest.adapter) and applies them in "
+        "memory between two decode steps; the served model is the base plus the newest adapter. none: full "
+        "weights only (a LoRA trainer then pushes the adapter merged into full weights).",
+    )
+    lora_max_rank: int | None = Field(default=None, description="Largest adapter rank this server takes.")
 
 
 class UpdateTimings(BaseModel):

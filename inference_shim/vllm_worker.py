@@ -15,7 +15,9 @@ its methods are added to vLLM's Worker, so `self` is the worker. The shim calls 
                      On CPU the same thread then prepares the update beside the live model
                      (inference_shim/vllm_shadow.py: load + prepack into a shadow) before its receipt,
                      so the pause that follows has only pointers to swap.
-  pr_apply           per update, with generation paused by the shim: swaps in the prepared shadow, or,
+  pr_apply           per update, with generation paused by the shim (or between two engine steps): an
+                     adapter update goes into the engine's LoRA slot (inference_shim/vllm_lora.py);
+                     full weights: swaps in the prepared shadow, or,
                      where none was prepared (not CPU, or the shadow does not handle the model), loads
                      the staged tensors through vLLM's reload path (plain load_weights does not work on
                      vLLM-CPU, whose linear layers are prepacked). The staging buffers are kept for the
@@ -50,6 +52,7 @@ from inference_shim.protocol import (
     verify_decision,
 )
 from inference_shim.transfer import WeightGroup, connect_store, receive_buckets
+from inference_shim.vllm_lora import apply_adapter
 from inference_shim.vllm_shadow import ShadowUpdate, prepare
 
 log = logging.getLogger(__name__)
@@ -141,6 +144,7 @@ class WeightReceiverExtension:
         timeout_s: float,
         fanout: str = "broadcast",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        adapter: dict | None = None,
     ) -> int:
         group = self._pr_group
         if group is None:
@@ -151,7 +155,7 @@ class WeightReceiverExtension:
         self.pr_discard()  # an update staged but never applied (its shadow too)
         self._pr_thread = threading.Thread(
             target=self._pr_receive,
-            args=(group, version, update_id, metas, bucket_bytes, timeout_s, fanout, chunk_bytes),
+            args=(group, version, update_id, metas, bucket_bytes, timeout_s, fanout, chunk_bytes, adapter),
             name=f"weights-v{version}",
             daemon=True,
         )
@@ -168,6 +172,7 @@ class WeightReceiverExtension:
         timeout_s: float,
         fanout: str,
         chunk_bytes: int,
+        adapter: dict | None,
     ) -> None:
         token = self._pr_token
         receipt, staged = receive_update(
@@ -186,7 +191,9 @@ class WeightReceiverExtension:
             self._pr_staged = {
                 "version": version,
                 "tensors": staged,
-                "shadow": self._pr_prepare(staged, receipt),
+                "adapter": adapter,
+                # An adapter is applied by copying it into the engine's LoRA slot: nothing to prepare.
+                "shadow": None if adapter is not None else self._pr_prepare(staged, receipt),
             }
         key = received_key(group.group_name, update_id, group.rank)
         group.store.set(key, sign_value(token, key, receipt.model_dump_json()))
@@ -218,6 +225,10 @@ class WeightReceiverExtension:
             raise RuntimeError(f"no staged weights for version {version}")
         start = time.perf_counter()
         model = self.model_runner.get_model()
+        if staged["adapter"] is not None:
+            apply_adapter(self, staged["adapter"], staged["tensors"])
+            self._pr_staged = None
+            return time.perf_counter() - start
         if staged["shadow"] is not None:
             staged["shadow"].swap_in()
         else:

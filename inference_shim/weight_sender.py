@@ -46,6 +46,7 @@ from inference_shim.faults import fault_point
 from inference_shim.protocol import (
     CONTRACT_VERSION,
     DEFAULT_BUCKET_BYTES,
+    AdapterSpec,
     InitProcessGroupRequest,
     TensorMeta,
     UnauthenticatedValue,
@@ -306,6 +307,7 @@ class WeightSender:
         *,
         restore: bool = False,
         settle: bool = True,
+        adapter: AdapterSpec | None = None,
     ) -> PushReport:
         """push() for weights that are already whole in memory (DDP, single process)."""
         tensors = [t for _, t in named_tensors]
@@ -315,6 +317,7 @@ class WeightSender:
             lambda indices: [tensors[i] for i in indices],
             restore=restore,
             settle=settle,
+            adapter=adapter,
         )
 
     def push(
@@ -325,8 +328,10 @@ class WeightSender:
         *,
         restore: bool = False,
         settle: bool = True,
+        adapter: AdapterSpec | None = None,
     ) -> PushReport:
         """One update. restore=True lets `version` be <= the served one (resuming from a checkpoint).
+        adapter: the tensors are that LoRA adapter (servers whose /capabilities lora is in_memory).
         settle=False returns once every byte is sent, before the servers' results: call settle() (or
         the next push, which does) to learn whether they applied it. Raises WeightPushError for this
         update, or for the previous one if it was not settled and failed (nothing of this one is sent
@@ -343,6 +348,7 @@ class WeightSender:
             timeout_s=self.timeout_s,
             restore=restore,
             fanout=self.fanout,
+            adapter=adapter,
         )
         answers = self._request_all(request)
         refused = [

@@ -113,8 +113,32 @@ class ActorConfig(_Section):
     )
 
 
+# The projections of the transformer blocks (Llama, Qwen2/3, Mistral, Gemma names) that vLLM serves
+# adapters on: every linear layer of attention and MLP (docs/lora.md, "Targets").
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(_Section):
+    """LoRA: train only a low-rank adapter (peft) and push only the adapter to the servers."""
+
+    rank: int = Field(8, ge=1, le=512, description="Adapter rank r.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="Names of the linear layers that get an adapter (the last part of the module name).",
+    )
+
+
 class TrainerConfig(_Section):
     """The learner: strategy, optimizer, batch, checkpoints, weight push."""
+
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train a LoRA adapter instead of every weight (trainer.lora.rank=16 ... turns it on; "
+        "docs/lora.md). Unset: full fine-tuning.",
+    )
 
     strategy: Literal["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp"] = Field(
         "ddp", description="ddp (gloo) on CPU; deepspeed_zero2/3 on CPU or GPU; fsdp on GPU."

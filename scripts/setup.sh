@@ -60,7 +60,7 @@ else
   # `from transformers import Qwen2ForCausalLM`), torchaudio, torchcodec and ~1 GB of triton.
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
-"${PIP[@]}" -e ".[dev,tracking,ray]"  # the trackers and Ray too: the tests read their files, run a cluster
+"${PIP[@]}" -e ".[dev,tracking,ray,lora]"  # trackers, Ray, peft too: the tests read their files, run a cluster, train adapters
 # DeepSpeed's source archive imports torch while building: build against the torch just installed.
 "${PIP[@]}" --no-build-isolation "deepspeed==0.19.8"
 if have_gpu; then

@@ -108,6 +108,10 @@ class Backend(abc.ABC):
     tool_call_parser: str | None = None
     # The served model's name (/v1/models, /capabilities): a property of each backend, from its options.
     model_name: str
+    # Whether the engine can take LoRA adapter updates in memory (--lora-max-rank turns them on), and
+    # whether it then still serves the base model alone (`model` with protocol.BASE_MODEL_SUFFIX).
+    adapters_in_memory = False
+    serves_base_alone = False
 
     def __init__(self, metrics: ShimMetrics) -> None:
         self.metrics = metrics
@@ -138,6 +142,9 @@ class Backend(abc.ABC):
         self.engine_version = "unknown"
         self.workers = 1  # weight-group ranks this server's engine takes
         self.max_model_len = 0
+        # Set from --lora-max-rank where adapters_in_memory: the server then takes adapter updates only,
+        # of at most this rank, and serves the base model plus the newest adapter (docs/lora.md).
+        self.lora_max_rank: int | None = None
         self._update_lock = asyncio.Lock()
         self._update_task: asyncio.Task | None = None
 
@@ -294,7 +301,9 @@ class Backend(abc.ABC):
                 "value you write as docs/contract.md § Store values says (a contract 1.0 trainer does not)",
             )
         async with self._update_lock:
-            validate_update(req, self.table, self.version, self.pending, self.group is not None)
+            validate_update(
+                req, self.table, self.version, self.pending, self.group is not None, self.lora_max_rank
+            )
             if req.fanout not in self.capabilities().fanouts:
                 raise ContractError(
                     422,
@@ -492,6 +501,8 @@ class Backend(abc.ABC):
             max_model_len=self.max_model_len,
             tool_call_parser=self.tool_call_parser,
             structured_output=self.structured_output,
+            lora="in_memory" if self.lora_max_rank else "none",
+            lora_max_rank=self.lora_max_rank,
         )
 
     def health_now(self) -> HealthResponse:

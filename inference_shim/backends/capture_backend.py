@@ -42,6 +42,9 @@ class CaptureOptions(BaseModel):
         default=None,
         description="Write each applied update to DIR/weights.safetensors and DIR/history.jsonl.",
     )
+    lora_max_rank: int | None = Field(
+        default=None, ge=1, description="Take LoRA adapter updates of at most this rank (and only those)."
+    )
 
 
 class CaptureBackend(StagedReceive, Backend):
@@ -53,10 +56,12 @@ class CaptureBackend(StagedReceive, Backend):
     per_token_versions = False
     staged_receive = True
     fanouts = ("broadcast", "chain")
+    adapters_in_memory = True  # it keeps what it receives, adapter or not
 
     def __init__(self, options: CaptureOptions, metrics: ShimMetrics) -> None:
         super().__init__(metrics)
         self.options = options
+        self.lora_max_rank = options.lora_max_rank
         self.engine_version = "none"
         self.received: dict[str, torch.Tensor] = {}  # the last applied update, by checkpoint name
         self.history: list[dict] = []  # one entry per applied update: version, restore, time
@@ -96,6 +101,8 @@ class CaptureBackend(StagedReceive, Backend):
         start = time.perf_counter()
         received = {name: tensor.clone() for name, tensor in self._staged}
         entry = {"version": req.version, "restore": req.restore, "time": time.time()}
+        if req.adapter is not None:
+            entry["adapter"] = req.adapter.model_dump()
         if self.options.capture_dir:
             await asyncio.to_thread(_write_capture, Path(self.options.capture_dir), received, entry)
         self.received, self._staged = received, None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_shim.openai_protocol import VersionSpan
-from inference_shim.protocol import WeightUpdateRequest
+from inference_shim.protocol import AdapterSpec, WeightUpdateRequest, adapter_tensor_names
 from inference_shim.tool_calls import OutputConstraint
 
 
@@ -42,6 +42,7 @@ class SamplingRequest:
     top_logprobs: int  # 0 = only the sampled token's logprob (always returned)
     ignore_eos: bool = False
     constraint: OutputConstraint | None = None  # structured output (Backend.structured_output only)
+    base_model: bool = False  # `model` named the base alone (protocol.BASE_MODEL_SUFFIX): no adapter
 
 
 @dataclass
@@ -130,14 +131,82 @@ def prompt_room(prompt_ids: list[int], max_model_len: int) -> int:
     return room
 
 
+def adapter_table(
+    table: dict[str, tuple[str, list[int]]], spec: AdapterSpec
+) -> dict[str, tuple[str, list[int]]]:
+    """The tensors an adapter update must carry, from the model's tensor table: for every 2-D weight
+    `<module>.weight` whose module's last name is a target, lora_A [rank, in] and lora_B [out, rank] in
+    the weight's dtype (adapter_tensor_names). Raises ContractError 422 for a target no layer has."""
+    targets = set(spec.target_modules)
+    adapters: dict[str, tuple[str, list[int]]] = {}
+    found: set[str] = set()
+    for name, (dtype, shape) in table.items():
+        module, _, leaf = name.rpartition(".")
+        target = module.rpartition(".")[2]
+        if leaf != "weight" or len(shape) != 2 or target not in targets or ".layers." not in f".{module}":
+            continue
+        found.add(target)
+        a_name, b_name = adapter_tensor_names(module)
+        adapters[a_name] = (dtype, [spec.rank, shape[1]])
+        adapters[b_name] = (dtype, [shape[0], spec.rank])
+    unknown = sorted(targets - found)
+    if unknown:
+        layers = sorted(
+            {
+                n.rpartition(".")[0].rpartition(".")[2]
+                for n, (_, s) in table.items()
+                if len(s) == 2 and ".layers." in n
+            }
+        )
+        raise ContractError(
+            422,
+            "invalid_adapter",
+            f"target module(s) {unknown} are no linear layer of this model's blocks; it has {layers}",
+        )
+    return adapters
+
+
+def check_adapter(spec: AdapterSpec | None, max_rank: int | None) -> None:
+    """An update's kind against the server's: adapters only where LoRA is on, within its largest rank;
+    a LoRA server takes adapters only (a full update would leave an adapter trained for other weights).
+    Raises ContractError 422."""
+    if spec is None:
+        if max_rank is not None:
+            raise ContractError(
+                422,
+                "adapter_expected",
+                "this server serves a LoRA adapter (--lora-max-rank): send the adapter "
+                "(WeightUpdateRequest.adapter), or start it without --lora-max-rank for full weights",
+            )
+        return
+    if max_rank is None:
+        raise ContractError(
+            422,
+            "lora_not_enabled",
+            "this server takes full weights only (/capabilities lora: none): start it with "
+            "--lora-max-rank, or push the adapter merged into every weight",
+        )
+    if spec.rank > max_rank:
+        raise ContractError(
+            422,
+            "lora_rank_too_large",
+            f"adapter rank {spec.rank} is above this server's --lora-max-rank {max_rank}",
+        )
+
+
 def validate_update(
     req: WeightUpdateRequest,
     table: dict[str, tuple[str, list[int]]],
     current_version: int,
     pending_version: int | None,
     group_joined: bool,
+    lora_max_rank: int | None = None,
 ) -> None:
-    """All checks that must pass BEFORE any collective starts; raises ContractError (4xx) otherwise."""
+    """All checks that must pass BEFORE any collective starts; raises ContractError (4xx) otherwise.
+    `table` is the model's; an adapter update is checked against adapter_table() of it."""
+    check_adapter(req.adapter, lora_max_rank)
+    if req.adapter is not None:
+        table = adapter_table(table, req.adapter)
     if not group_joined:
         raise ContractError(
             409, "no_process_group", "call POST /init_process_group before requesting an update"
@@ -170,7 +239,8 @@ def validate_update(
     missing = sorted(set(table) - seen)
     if missing:
         problems.append(
-            f"missing {len(missing)} tensor(s), e.g. {missing[:3]}: an update must carry every weight"
+            f"missing {len(missing)} tensor(s), e.g. {missing[:3]}: an update must carry every "
+            + ("adapter tensor of its targets" if req.adapter else "weight")
         )
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")

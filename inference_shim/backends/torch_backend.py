@@ -15,6 +15,10 @@ meanwhile form the next wave. Each step is one forward of the whole wave, then s
 (temperature, top-p, top-k; a request's `seed` gives each of its choices its own generator). Logprobs
 are those of the raw model distribution (temperature 1), as with the vLLM backend.
 
+LoRA (--lora-max-rank): an adapter update is merged into the weights it targets, from a copy of their
+base values kept at the first adapter update (W = W0 + alpha / r * B @ A), in the same pause; so every
+request gets the base model plus the newest adapter, and the base alone is not served.
+
 Weight updates, inflight: receiving runs in a background thread while waves decode (StagedReceive).
 To apply, the engine is paused between two steps (never inside a forward), the staged tensors are
 copied into the model's parameters, the version label moves, and decoding resumes. Every token is
@@ -48,7 +52,7 @@ from inference_shim.backends.common import (
 )
 from inference_shim.backends.staged_receive import StagedReceive
 from inference_shim.metrics import ShimMetrics
-from inference_shim.protocol import UpdateResult, WeightUpdateRequest
+from inference_shim.protocol import PEFT_PREFIX, UpdateResult, WeightUpdateRequest, adapter_tensor_names
 
 
 class TorchOptions(BaseModel):
@@ -69,6 +73,9 @@ class TorchOptions(BaseModel):
     )
     threads: int | None = Field(
         default=None, ge=1, description="torch threads; default: the cores this process may use."
+    )
+    lora_max_rank: int | None = Field(
+        default=None, ge=1, description="Take LoRA adapter updates of at most this rank (docs/lora.md)."
     )
 
 
@@ -119,10 +126,13 @@ class TorchBackend(StagedReceive, Backend):
     per_token_versions = True
     staged_receive = True
     fanouts = ("broadcast", "chain")
+    adapters_in_memory = True
 
     def __init__(self, options: TorchOptions, metrics: ShimMetrics) -> None:
         super().__init__(metrics)
         self.options = options
+        self.lora_max_rank = options.lora_max_rank
+        self._lora_base: dict[str, torch.Tensor] = {}  # targeted weights' base values (LoRA only)
         self.model = None
         self._eos: set[int] = set()
         self._waiting: list[_Sequence] = []
@@ -425,11 +435,27 @@ class TorchBackend(StagedReceive, Backend):
         start = time.perf_counter()
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, tensor in self._staged:
-                params[name].copy_(tensor)
+            if req.adapter is not None:
+                self._merge_adapter(params, req.adapter, dict(self._staged))
+            else:
+                for name, tensor in self._staged:
+                    params[name].copy_(tensor)
         self._staged = None
         self._weights_epoch += 1
         result.apply_seconds = time.perf_counter() - start
+
+    def _merge_adapter(self, params: dict, spec, tensors: dict[str, torch.Tensor]) -> None:
+        """W = W0 + alpha / r * B @ A for every targeted weight (validate_update checked the names)."""
+        scale = spec.alpha / spec.rank
+        for a_name, a in tensors.items():
+            if not a_name.endswith(".lora_A.weight"):
+                continue
+            module = a_name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+            b = tensors[adapter_tensor_names(module)[1]]
+            weight = params[f"{module}.weight"]
+            base = self._lora_base.setdefault(module, weight.detach().clone())
+            delta = (b.float() @ a.float()) * scale
+            weight.copy_((base.float() + delta).to(weight.dtype))
 
     async def _set_version_label(self, version: int) -> None:
         self._label = version

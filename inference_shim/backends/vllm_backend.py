@@ -24,9 +24,12 @@ import datetime as dt
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
@@ -112,6 +115,12 @@ class VllmOptions(BaseModel):
         "vLLM-CPU engine is ready in under half the time, but it decodes slower, and it is only safe where "
         'this process has run no multithreaded torch kernel yet (docs/engines.md, "Starting by fork").',
     )
+    lora_max_rank: int | None = Field(
+        default=None,
+        ge=1,
+        description="Serve a LoRA adapter of at most this rank, updated in memory (docs/lora.md); vLLM's "
+        "slot is the next rank it allows (1, 8, 16, 32, 64, ...).",
+    )
 
 
 def _forked_worker_cpus(vllm_config) -> list[int] | None:
@@ -135,6 +144,15 @@ def _forked_worker_cpus(vllm_config) -> list[int] | None:
     if getattr(manager, "skip_setup", True) or not lists or len(lists) != 1:
         return None
     return list(lists[0])
+
+
+def _lora_engine_args(max_rank: int | None) -> dict:
+    """vLLM's LoRA settings for one adapter of at most `max_rank` (none without it)."""
+    if not max_rank:
+        return {}
+    from inference_shim.vllm_lora import vllm_max_rank
+
+    return {"enable_lora": True, "max_lora_rank": vllm_max_rank(max_rank), "max_loras": 1, "max_cpu_loras": 1}
 
 
 def _whole_prefills_on_cpu(max_model_len: int, workers: int) -> dict:
@@ -163,10 +181,15 @@ class VllmBackend(Backend):
     staged_receive = True
     fanouts = ("broadcast", "chain")
     structured_output = True
+    adapters_in_memory = True
+    serves_base_alone = True
 
     def __init__(self, options: VllmOptions, metrics: ShimMetrics) -> None:
         super().__init__(metrics)
         self.options = options
+        self.lora_max_rank = options.lora_max_rank
+        self._lora_request = None  # with --lora-max-rank: every request's LoRARequest (vllm_lora.py)
+        self._lora_dir: str | None = None  # the start-up adapter's directory, removed at stop
         self.engine = None
         self.workers = options.tensor_parallel_size
         self.max_model_len = options.max_model_len or 0  # resolved from the model in start()
@@ -207,6 +230,7 @@ class VllmBackend(Backend):
             enable_prefix_caching=True,  # safe across updates under either policy: see _kv_epoch
             **({"gpu_memory_utilization": o.gpu_memory_utilization} if o.gpu_memory_utilization else {}),
             worker_extension_cls=WORKER_EXTENSION,
+            **_lora_engine_args(o.lora_max_rank),
             use_tqdm_on_load=sys.stderr.isatty(),  # a log file gets no carriage-return bar
             **_whole_prefills_on_cpu(self.max_model_len, o.tensor_parallel_size),
         )
@@ -254,6 +278,14 @@ class VllmBackend(Backend):
         self.table = {
             name: (engine_dtype, shape) for name, (_, shape) in checkpoint_tensor_table(o.model).items()
         }
+        if o.lora_max_rank:
+            from vllm.lora.request import LoRARequest
+
+            from inference_shim.vllm_lora import LORA_ID, write_start_adapter
+
+            self._lora_dir = tempfile.mkdtemp(prefix="pipeline-rl-lora-")
+            write_start_adapter(Path(self._lora_dir), self.table)
+            self._lora_request = LoRARequest(self.model_name, LORA_ID, self._lora_dir)
         self.workers = self.engine.vllm_config.parallel_config.world_size
         self.max_model_len = self.engine.model_config.max_model_len  # what the engine settled on
         # The ids a prompt may hold: vLLM's own bound (the larger of the model's and the tokenizer's).
@@ -263,6 +295,8 @@ class VllmBackend(Backend):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     @property
     def model_name(self) -> str:
@@ -321,7 +355,8 @@ class VllmBackend(Backend):
         try:
             prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=str(self._kv_epoch))
             cached_counted = False
-            async for output in self.engine.generate(prompt, sampling, request_id):
+            lora = None if params.base_model else self._lora_request
+            async for output in self.engine.generate(prompt, sampling, request_id, lora_request=lora):
                 if not cached_counted and output.num_cached_tokens is not None:
                     self.metrics.prefix_cached_tokens.inc(output.num_cached_tokens)
                     cached_counted = True
@@ -402,7 +437,11 @@ class VllmBackend(Backend):
             "pr_arm_receive",
             30,
             (req.version, req.update_id, tensors_json, req.bucket_bytes, req.timeout_s),
-            {"fanout": req.fanout, "chunk_bytes": req.fanout_chunk_bytes},
+            {
+                "fanout": req.fanout,
+                "chunk_bytes": req.fanout_chunk_bytes,
+                "adapter": req.adapter.model_dump() if req.adapter else None,
+            },
         )
 
     async def _wait_received(self, req: WeightUpdateRequest, result: UpdateResult) -> None:

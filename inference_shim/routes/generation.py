@@ -30,6 +30,7 @@ from inference_shim.openai_format import (
     usage_chunk,
 )
 from inference_shim.openai_protocol import ChatCompletionRequest, CompletionRequest
+from inference_shim.protocol import BASE_MODEL_SUFFIX
 from inference_shim.tool_calls import ChoiceTools, output_constraint
 
 log = logging.getLogger("inference_shim")
@@ -54,10 +55,28 @@ def generation_router(backend: Backend, limits: Limits, tokenize_pool: ThreadPoo
 
     @router.get("/v1/models")
     async def models():
+        names = [model_name()]
+        if backend.lora_max_rank and backend.serves_base_alone:
+            names.append(model_name() + BASE_MODEL_SUFFIX)
         return {
             "object": "list",
-            "data": [{"id": model_name(), "object": "model", "created": 0, "owned_by": "pipeline-rl"}],
+            "data": [{"id": n, "object": "model", "created": 0, "owned_by": "pipeline-rl"} for n in names],
         }
+
+    def _sampling(
+        req: ChatCompletionRequest | CompletionRequest, top_logprobs: int, max_tokens: int | None
+    ) -> SamplingRequest:
+        params = sampling_request(req, top_logprobs, max_tokens)
+        if backend.lora_max_rank and req.model == model_name() + BASE_MODEL_SUFFIX:
+            if not backend.serves_base_alone:
+                raise ContractError(
+                    400,
+                    "base_model_unavailable",
+                    f"the {backend.name} backend merges the adapter into its weights: it serves "
+                    f"{model_name()!r} (base + adapter) only",
+                )
+            params.base_model = True
+        return params
 
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
@@ -158,7 +177,7 @@ def generation_router(backend: Backend, limits: Limits, tokenize_pool: ThreadPoo
     return router
 
 
-def _sampling(
+def sampling_request(
     req: ChatCompletionRequest | CompletionRequest, top_logprobs: int, max_tokens: int | None
 ) -> SamplingRequest:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
