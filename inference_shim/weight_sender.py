@@ -114,6 +114,36 @@ class _PendingPush:
     started: float  # perf_counter at the request
 
 
+class LoraMismatch(RuntimeError):
+    """Servers that cannot take this trainer's updates as they are (adapters vs full weights): a
+    configuration error, not a failing server, so it is never handled by ejecting them."""
+
+
+def check_lora(adapter: AdapterSpec | None, urls: list[str], caps: list) -> None:
+    """Raise LoraMismatch, naming the servers and what to change, unless every server takes what this
+    trainer sends: adapters of its rank (lora in_memory) with an adapter, full weights without one."""
+    if adapter is None:
+        wrong = [u for u, c in zip(urls, caps, strict=True) if c.lora != "none"]
+        if wrong:
+            raise LoraMismatch(
+                f"servers {wrong} serve a LoRA adapter (--lora-max-rank) but this trainer trains every "
+                "weight: set trainer.lora, or start them without --lora-max-rank"
+            )
+        return
+    wrong = [
+        f"{u} (lora {c.lora}, max rank {c.lora_max_rank})"
+        for u, c in zip(urls, caps, strict=True)
+        if c.lora != "in_memory" or (c.lora_max_rank or 0) < adapter.rank
+    ]
+    if wrong:
+        raise LoraMismatch(
+            f"trainer.lora (rank {adapter.rank}) pushes adapters, which these servers cannot take: "
+            + ", ".join(wrong)
+            + f"; start them with --lora-max-rank {adapter.rank} or more on an engine that takes adapters in "
+            "memory (vllm, torch; docs/lora.md)"
+        )
+
+
 class WeightSender:
     def __init__(
         self,
@@ -126,9 +156,13 @@ class WeightSender:
         master_address: str = "127.0.0.1",
         group_name: str = "weights",
         fanout: str = "auto",
+        adapter: AdapterSpec | None = None,
     ) -> None:
+        """adapter: every push is that LoRA adapter's tensors (servers must say /capabilities lora
+        in_memory, of a rank that holds it); None: every push is every weight."""
         if not server_urls:
             raise ValueError("WeightSender needs at least one server URL")
+        self.adapter = adapter
         self._token = token  # also keys the HMAC of every store value (decision out, results in)
         self.backend = backend
         self.bucket_bytes = bucket_bytes
@@ -164,6 +198,7 @@ class WeightSender:
                 + " (docs/contract.md, Changes): run the same pipeline-rl version on both sides",
                 [u for u, _ in other],
             )
+        check_lora(self.adapter, self.server_urls, caps)
         dtypes = {d for c in caps for d in c.dtypes}
         if len(dtypes) != 1:
             raise WeightPushError(f"servers disagree on the weight dtype: {sorted(dtypes)}", self.server_urls)
@@ -307,7 +342,6 @@ class WeightSender:
         *,
         restore: bool = False,
         settle: bool = True,
-        adapter: AdapterSpec | None = None,
     ) -> PushReport:
         """push() for weights that are already whole in memory (DDP, single process)."""
         tensors = [t for _, t in named_tensors]
@@ -317,7 +351,6 @@ class WeightSender:
             lambda indices: [tensors[i] for i in indices],
             restore=restore,
             settle=settle,
-            adapter=adapter,
         )
 
     def push(
@@ -328,10 +361,8 @@ class WeightSender:
         *,
         restore: bool = False,
         settle: bool = True,
-        adapter: AdapterSpec | None = None,
     ) -> PushReport:
         """One update. restore=True lets `version` be <= the served one (resuming from a checkpoint).
-        adapter: the tensors are that LoRA adapter (servers whose /capabilities lora is in_memory).
         settle=False returns once every byte is sent, before the servers' results: call settle() (or
         the next push, which does) to learn whether they applied it. Raises WeightPushError for this
         update, or for the previous one if it was not settled and failed (nothing of this one is sent
@@ -348,7 +379,7 @@ class WeightSender:
             timeout_s=self.timeout_s,
             restore=restore,
             fanout=self.fanout,
-            adapter=adapter,
+            adapter=self.adapter,
         )
         answers = self._request_all(request)
         refused = [

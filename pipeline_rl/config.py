@@ -366,6 +366,11 @@ class RunConfig(_Section):
             raise ValueError(
                 "inference=sglang runs on NVIDIA GPUs only: add platform=gpu (NCCL weight transport)"
             )
+        if self.trainer.lora is not None and self.inference.backend == "sglang":
+            raise ValueError(
+                "trainer.lora needs servers that take adapters in memory (inference=vllm or torch); "
+                "inference=sglang takes full weights only (docs/lora.md, Engines)"
+            )
         return self
 
     @property

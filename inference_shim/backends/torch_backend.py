@@ -445,8 +445,13 @@ class TorchBackend(StagedReceive, Backend):
         result.apply_seconds = time.perf_counter() - start
 
     def _merge_adapter(self, params: dict, spec, tensors: dict[str, torch.Tensor]) -> None:
-        """W = W0 + alpha / r * B @ A for every targeted weight (validate_update checked the names)."""
+        """W = W0 + alpha / r * B @ A for every targeted weight, W = W0 for every other weight an earlier
+        adapter changed (validate_update checked the names)."""
         scale = spec.alpha / spec.rank
+        targeted = {n.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for n in tensors}
+        for module, base in self._lora_base.items():  # layers the previous adapter had and this one lacks
+            if module not in targeted:
+                params[f"{module}.weight"].copy_(base)
         for a_name, a in tensors.items():
             if not a_name.endswith(".lora_A.weight"):
                 continue

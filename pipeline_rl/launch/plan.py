@@ -229,6 +229,8 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         engine += ["--seed", str(cfg.seed + i), "--kv-after-update", cfg.inference.kv_after_update]
         if on_gpu and cfg.inference.backend == "vllm":
             engine += ["--gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)]
+        if cfg.trainer.lora is not None:  # the servers take the trainer's adapter, in memory
+            engine += ["--lora-max-rank", str(cfg.trainer.lora.rank)]
         # The server listens on exactly the address of its URL, never on every interface.
         argv = serve_argv(cfg.model_path, port, host=host, backend=cfg.inference.backend, extra=engine)
         # The token travels in the environment, not in argv, where any user could read it with ps.

@@ -50,18 +50,26 @@ import torch
 
 from inference_shim.client import ShimClient, ShimError, answers_http, leave_weight_group
 from inference_shim.procs import wait_healthy
+from inference_shim.protocol import AdapterSpec
 from inference_shim.weight_sender import (
     PushReport,
     WeightPushError,
     WeightSender,
 )
-from pipeline_rl.config import RunConfig
+from pipeline_rl.config import LoraConfig, RunConfig
 from pipeline_rl.fleet import SERVERS_STARTING_UNTIL_ENV, FleetWatch
 from pipeline_rl.trainer.dist import Comm, RankFailure
 from pipeline_rl.trainer.model import weight_metas
 from pipeline_rl.trainer.strategies import Strategy
 
 log = logging.getLogger("pipeline_rl.trainer.weights")
+
+
+def adapter_spec(lora: LoraConfig | None) -> AdapterSpec | None:
+    """What every push of a LoRA trainer says of its tensors (None: full weights)."""
+    if lora is None:
+        return None
+    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules))
 
 _DONE = "done"
 REJOIN_RELEASE_S = 5.0  # a returning server still busy with a stale update is retried at the next check
@@ -121,6 +129,8 @@ class WeightPublisher:
             # The servers connect to this address: loopback on one host, the trainer host's address on
             # several (pipeline_rl/launch/cluster.py sets it from the cluster file).
             master_address=t.weight_address,
+            # trainer.lora: the strategy's weights are the adapter's tensors (its weight_specs), pushed as one.
+            adapter=adapter_spec(t.lora),
         )
         try:
             self.sender.connect()
