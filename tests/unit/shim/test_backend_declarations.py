@@ -104,7 +104,7 @@ BACKENDS = {
 # ------------------------------------------------------------------ /capabilities and /v1/models
 BOTH = ["bfloat16", "float32"]
 CAPTURE = {
-    "contract_version": "2.0",
+    "contract_version": "2.1",
     "backend": "capture",
     "engine_version": "none",
     "model": "tiny-x",
@@ -118,6 +118,8 @@ CAPTURE = {
     "fanouts": ["broadcast", "chain"],
     "tool_call_parser": None,
     "structured_output": False,
+    "lora": "none",
+    "lora_max_rank": None,
 }
 TORCH = CAPTURE | {
     "backend": "torch",
