@@ -7,6 +7,7 @@
     pipeline-rl demo                                         the CPU demo
     pipeline-rl eval MODEL... [key=value ...] [--samples K]  held-out scores of checkpoints or runs
     pipeline-rl fleet list|add|remove [URL] --run-dir RUN    servers of a running job
+    pipeline-rl export RUN_OR_CHECKPOINT (--merged OUT | --adapter OUT) [--base DIR]   a standalone model
     pipeline-rl actor|preprocess|train --config RUN/config.json ...   one process (launcher uses these)
     pipeline-rl --help
 
@@ -84,6 +85,44 @@ def _run_tiny_model(args: argparse.Namespace) -> None:
     print(f"wrote {out} ({size / 1e6:.2f} MB of weights{origin})")
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a run's trained weights as a standalone model (LoRA merged) or as its peft adapter",
+        description="Write a run's trained weights as a standalone directory (pipeline_rl/export.py).",
+    )
+    p.add_argument(
+        "source",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a run directory (its newest verified checkpoint), a checkpoint (step_N) or a snapshot (vN)",
+    )
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument(
+        "--merged",
+        metavar="OUT",
+        help="a Hugging Face model: the adapter merged into its base (a full fine-tuning run: copied)",
+    )
+    out.add_argument("--adapter", metavar="OUT", help="the peft adapter directory (runs with trainer.lora)")
+    p.add_argument(
+        "--base",
+        metavar="DIR",
+        help="the base model the adapter was trained on (default: the adapter's, else the run's model_path)",
+    )
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from pipeline_rl.export import ExportError, describe, export
+
+    _set_title("export")
+    try:
+        result = export(
+            args.source, args.merged or args.adapter, merged=args.merged is not None, base=args.base
+        )
+    except ExportError as e:
+        sys.exit(f"pipeline-rl export: {e}")
+    print(describe(result))
+
+
 # Subcommands whose module parses its own arguments: name -> (help, "module:function(argv)").
 PASSTHROUGH = {
     "launch": (
@@ -133,6 +172,7 @@ def _passthrough(name: str, target: str):
 COMMANDS = {
     "serve": (_add_serve, _run_serve),
     "tiny-model": (_add_tiny_model, _run_tiny_model),
+    "export": (_add_export, _run_export),
     **{name: _passthrough(name, target) for name, (_, target) in PASSTHROUGH.items()},
 }
 

@@ -158,7 +158,8 @@ class TrainerConfig(_Section):
     snapshot_every_s: float = Field(
         0.0,
         ge=0,
-        description="Save the weights (Hugging Face format, no optimizer) to run_dir/snapshots once this "
+        description="Save the weights (Hugging Face format, or the peft adapter with trainer.lora; no "
+        "optimizer) to run_dir/snapshots once this "
         "many seconds passed since the last one, for evaluating them after the run (0 = off).",
     )
     resume: bool = Field(

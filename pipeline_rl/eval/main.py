@@ -4,7 +4,8 @@
     pipeline-rl eval artifacts/tiny-arith runs/20261201-120000  # before and after: one server, both scored
     pipeline-rl eval /models/Qwen2.5-1.5B-Instruct task=gsm8k task.dataset_path=/data/gsm8k --samples 8
 
-A MODEL is a Hugging Face checkpoint directory, or a run directory (its newest verified checkpoint; the
+A MODEL is a Hugging Face checkpoint directory, or a run directory (its newest verified checkpoint; a
+LoRA run's adapter is merged into its base first, into a temporary directory: pipeline_rl/export.py; the
 first run directory named also gives the task, evaluation and engine settings, which key=value
 overrides change). One inference server starts on the first model (the engine of the configuration,
 vLLM by default); every further model is pushed into it through the weight plane, as a trainer pushes,
@@ -22,7 +23,9 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,7 +48,7 @@ def model_of(target: Path) -> Path:
         if checkpoint is None:
             raise SystemExit(f"pipeline-rl eval: {target} has no checkpoint yet (checkpoints/ is empty)")
         return checkpoint / "model"
-    if not (target / "config.json").is_file():
+    if not (target / "config.json").is_file() and not (target / "adapter_config.json").is_file():
         raise SystemExit(
             f"pipeline-rl eval: {target} is neither a checkpoint directory (config.json) nor a run directory "
             "(config.json and checkpoints/)"
@@ -101,11 +104,35 @@ def _push(url: str, token: str, model: Path, version: int, timeout_s: float) -> 
         sender.close()
 
 
+def _servable(model: Path, scratch: Path) -> Path:
+    """`model`, or for a LoRA checkpoint (a peft adapter directory) the adapter merged into its base."""
+    from pipeline_rl.export import ExportError, export
+    from pipeline_rl.trainer.lora import is_adapter_dir
+
+    if not is_adapter_dir(model):
+        return model
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        export(model, scratch, merged=True)
+    except ExportError as e:
+        raise SystemExit(f"pipeline-rl eval: {e}") from None
+    return scratch
+
+
 def evaluate(targets: list[Path], cfg: RunConfig, samples: int, log_dir: Path) -> list[dict]:
     """Every target's held-out scores, one server for all (each further model pushed into it)."""
+
+    with tempfile.TemporaryDirectory(prefix="pipeline-rl-eval-") as scratch:
+        # LoRA checkpoints are merged into their base there, to be served like any checkpoint.
+        models = [_servable(model_of(t), Path(scratch) / str(i)) for i, t in enumerate(targets)]
+        return _evaluate_models(targets, models, cfg, samples, log_dir)
+
+
+def _evaluate_models(
+    targets: list[Path], models: list[Path], cfg: RunConfig, samples: int, log_dir: Path
+) -> list[dict]:
     from pipeline_rl.eval.heldout import evaluate_server
 
-    models = [model_of(t) for t in targets]
     if len(models) > 1 and cfg.platform != "cpu":
         raise SystemExit(
             "pipeline-rl eval: several models at once push over gloo, on CPU servers; run one per call"

@@ -2,8 +2,12 @@
 
 Layout of <run_dir>/checkpoints/step_<NNNNNNNN>/:
     model/                 Hugging Face weights (save_pretrained, float32) + tokenizer files from model_path:
-                           loadable with from_pretrained, servable with `pipeline-rl serve --model`
-    optimizer/             optimizer + LR schedule state, in the strategy's format
+                           loadable with from_pretrained, servable with `pipeline-rl serve --model`; or,
+                           with trainer.lora, a peft adapter directory (adapter_config.json naming
+                           model_path as its base, adapter_model.safetensors, float32) + tokenizer files:
+                           loadable with PeftModel.from_pretrained, servable with vLLM's --lora-modules
+    optimizer/             optimizer + LR schedule state, in the strategy's format (with trainer.lora: of
+                           the adapter only)
     feed_rank<r>.json      rank r's stream position and the packages it had read but not trained yet
     trainer_state.json     step, weight version, consumption counters, world size, strategy, checksums
     manifest.json          written last: every other file's relative path and size in bytes
@@ -60,6 +64,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from inference_shim.faults import fault_point
 from pipeline_rl.progress import Progress
 from pipeline_rl.run_dir import (  # noqa: F401 - has_checkpoint, read_snapshots: the layout's readers
@@ -76,6 +82,7 @@ from pipeline_rl.trainer.strategies import Strategy
 log = logging.getLogger("pipeline_rl.trainer")
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+MODEL_CONFIG_FILES = ("config.json", "generation_config.json")
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 
@@ -209,11 +216,34 @@ def _write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def copy_tokenizer_files(model_path: str | Path, out: Path) -> None:
-    """Everything in model_path that is not weights or config.json (tokenizer, chat template, ...)."""
+def copy_tokenizer_files(model_path: str | Path, out: Path, skip: tuple[str, ...] = ()) -> None:
+    """Everything in model_path that is not weights, not in `skip` and not in `out` yet (tokenizer, chat
+    template, ...; config.json is already there after save_pretrained)."""
     for src in Path(model_path).iterdir():
-        if src.is_file() and not src.name.endswith(WEIGHT_FILES) and not (out / src.name).exists():
+        if (
+            src.is_file()
+            and not src.name.endswith(WEIGHT_FILES)
+            and src.name not in skip
+            and not (out / src.name).exists()
+        ):
             shutil.copy2(src, out / src.name)
+
+
+def write_weights(
+    strategy: Strategy, weights: dict[str, torch.Tensor], out_dir: Path, model_path: str | Path
+) -> None:
+    """The weights `full_state_dict` gathered as a loadable directory plus model_path's tokenizer files:
+    the full Hugging Face model, or with trainer.lora the peft adapter (rank 0 calls it)."""
+    if strategy.cfg.trainer.lora is None:
+        strategy.module.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+        copy_tokenizer_files(model_path, out_dir)
+        return
+    from pipeline_rl.trainer import lora
+
+    # An absolute base path: the adapter directory is then loadable from anywhere (transformers, export).
+    lora.save_adapter(strategy.module, weights, out_dir, Path(model_path).resolve())
+    # The base model's config files stay out: with them the directory would pass for a full model.
+    copy_tokenizer_files(model_path, out_dir, skip=MODEL_CONFIG_FILES)
 
 
 def save_snapshot(
@@ -235,8 +265,7 @@ def save_snapshot(
     if comm.is_main:
         tmp = root / f"v{version:08d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        strategy.module.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        copy_tokenizer_files(model_path, tmp)
+        write_weights(strategy, weights, tmp, model_path)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         with (root / SNAPSHOT_INDEX).open("a") as f:
@@ -270,8 +299,7 @@ def save(
     weights = strategy.full_state_dict(bucket_bytes)  # collective; rank 0 only gets the dict
     bar.advance(note="weights gathered")
     if comm.is_main:
-        strategy.module.save_pretrained(tmp / "model", state_dict=weights, safe_serialization=True)
-        copy_tokenizer_files(model_path, tmp / "model")
+        write_weights(strategy, weights, tmp / "model", model_path)
     bar.advance(note="model written")
     strategy.save_optimizer(tmp / "optimizer")
     bar.advance(note="optimizer written")

@@ -1,8 +1,10 @@
 """The trainer's model helpers, shared by every strategy and the driver loop.
 
-Loading the Hugging Face model (float32 master weights), the LR schedule, the weight list the servers
-hold (`WeightSpec`, and the same list as wire metadata: `weight_metas`), the check that our names match
-the checkpoint the servers validate against, and a replica checksum.
+Loading the Hugging Face model (float32 master weights) and the policy every strategy trains
+(`load_policy`: the model, or with trainer.lora the base model with a peft adapter), the parameters a
+strategy trains, pushes and checkpoints (`trained_parameters`), the LR schedule, the weight list the
+servers hold (`WeightSpec`, and the same list as wire metadata: `weight_metas`), the check that our
+names match the checkpoint the servers validate against, and a replica checksum.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from inference_shim.checkpoint_table import checkpoint_tensor_table
 from inference_shim.protocol import TensorMeta
-from pipeline_rl.config import TrainerConfig
+from pipeline_rl.config import RunConfig, TrainerConfig
 
 # (HF checkpoint name, full shape, dtype) of every weight the servers hold, in push order.
 WeightSpec = tuple[str, list[int], torch.dtype]
@@ -34,6 +36,49 @@ def load_hf_model(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device).train()
+
+
+def load_policy(cfg: RunConfig, weights_dir: str | Path, device: torch.device) -> torch.nn.Module:
+    """The module a strategy trains (before any DDP / DeepSpeed / FSDP wrapping), from `weights_dir`:
+    cfg.model_path at a fresh start, a checkpoint's model/ on resume.
+
+    Without trainer.lora: the Hugging Face model in `weights_dir`. With it: the base model from
+    cfg.model_path with a peft adapter, fresh at a fresh start, or the one in `weights_dir` when that is
+    an adapter directory (a checkpoint written with trainer.lora). A checkpoint written with the other
+    setting of trainer.lora raises, naming both."""
+    from pipeline_rl.trainer import lora  # imports no peft itself; its functions do
+
+    t = cfg.trainer
+    if lora.is_adapter_dir(cfg.model_path):
+        raise ValueError(
+            f"model_path={cfg.model_path} is a peft adapter directory: set model_path to the base model "
+            "(its adapter_config.json names it in base_model_name_or_path)"
+        )
+    adapter = lora.is_adapter_dir(weights_dir)
+    if t.lora is None:
+        if adapter:
+            raise ValueError(
+                f"{weights_dir} holds a LoRA adapter ({lora.saved_spec(weights_dir)}) but trainer.lora is "
+                "unset (full fine-tuning): resume with the trainer.lora settings the checkpoint was written with"
+            )
+        return load_hf_model(weights_dir, device, t.gradient_checkpointing)
+    if not adapter and Path(weights_dir).resolve() != Path(cfg.model_path).resolve():
+        raise ValueError(
+            f"{weights_dir} holds full model weights (written without trainer.lora) but trainer.lora asks "
+            f"for an adapter ({lora.adapter_spec(t.lora)}): resume without trainer.lora, or start a new run"
+        )
+    base = load_hf_model(cfg.model_path, device, t.gradient_checkpointing)
+    return lora.wrap(base, t.lora, Path(weights_dir) if adapter else None, seed=t.seed)
+
+
+def trained_parameters(module: torch.nn.Module, cfg: RunConfig) -> list[tuple[str, torch.nn.Parameter]]:
+    """What the optimizer steps, the push sends and a checkpoint holds, in that order, under the names
+    the servers know: every parameter (HF names), or with trainer.lora the adapter's (peft file names)."""
+    if cfg.trainer.lora is None:
+        return list(module.named_parameters())
+    from pipeline_rl.trainer import lora
+
+    return lora.adapter_parameters(module)
 
 
 def lr_lambda(tcfg: TrainerConfig) -> Callable[[int], float]:

@@ -59,6 +59,7 @@ from inference_shim.weight_sender import (
 from pipeline_rl.config import LoraConfig, RunConfig
 from pipeline_rl.fleet import SERVERS_STARTING_UNTIL_ENV, FleetWatch
 from pipeline_rl.trainer.dist import Comm, RankFailure
+from pipeline_rl.trainer.lora import adapter_spec as lora_adapter_spec
 from pipeline_rl.trainer.model import weight_metas
 from pipeline_rl.trainer.strategies import Strategy
 
@@ -67,9 +68,8 @@ log = logging.getLogger("pipeline_rl.trainer.weights")
 
 def adapter_spec(lora: LoraConfig | None) -> AdapterSpec | None:
     """What every push of a LoRA trainer says of its tensors (None: full weights)."""
-    if lora is None:
-        return None
-    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules))
+    return None if lora is None else AdapterSpec(**lora_adapter_spec(lora))
+
 
 _DONE = "done"
 REJOIN_RELEASE_S = 5.0  # a returning server still busy with a stale update is retried at the next check

@@ -141,7 +141,9 @@ def write_batches(cfg: RunConfig, batches: list[list[TrainingPackage]]) -> None:
 
 
 def reference_training(cfg: RunConfig, batches: list[list[TrainingPackage]]) -> dict[str, torch.Tensor]:
-    """The same steps on ONE rank in this process (every rank's micro-batches in one package)."""
+    """The same steps on ONE rank in this process (every rank's micro-batches in one package); returns
+    the trained weights under the servers' names (with trainer.lora: the adapter's)."""
+    from pipeline_rl.trainer.model import trained_parameters
     from pipeline_rl.trainer.strategies.ddp import DDPStrategy
 
     single = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"num_processes": 1})})
@@ -156,7 +158,7 @@ def reference_training(cfg: RunConfig, batches: list[list[TrainingPackage]]) -> 
             }
         )
         train_step(strategy, merged, cfg.algo, step=step, temperature=1.0, comm=comm)
-    return {name: p.detach().clone() for name, p in strategy.module.named_parameters()}
+    return {name: p.detach().clone() for name, p in trained_parameters(strategy.module, cfg)}
 
 
 def run_trainer(cfg: RunConfig, log_path: Path, timeout_s: float = 240) -> tuple[int, str]:

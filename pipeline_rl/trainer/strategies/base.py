@@ -5,9 +5,11 @@ __init__ picks one by name. This module imports none of them. Each strategy owns
 optimizer and the LR schedule, and answers the questions the driver loop and the weight push ask:
 
     s = make_strategy(cfg, comm, weights_dir)        # weights_dir: model_path, or a checkpoint's model/
+                                                     # (with trainer.lora: its adapter, see load_policy)
     with s.micro_step(last=i == n - 1): s.backward(loss)    # every micro-batch of the package
     grad_norm = s.optimizer_step()                   # clip, step, schedule, zero grads
-    specs = s.weight_specs()                         # HF names / full shapes, in push order
+    specs = s.weight_specs()                         # HF names / full shapes, in push order (with
+                                                     # trainer.lora: the adapter's, peft file names)
     tensors = s.gather(indices)                      # COLLECTIVE for sharded strategies: all ranks call
                                                      # it with the same indices; rank 0 gets full tensors
 
@@ -29,7 +31,7 @@ import torch
 from inference_shim.protocol import plan_buckets
 from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm
-from pipeline_rl.trainer.model import WeightSpec, weight_metas
+from pipeline_rl.trainer.model import WeightSpec, check_names, trained_parameters, weight_metas
 
 
 class Strategy(ABC):
@@ -37,11 +39,21 @@ class Strategy(ABC):
 
     name: str
     model: torch.nn.Module  # call forward on this (possibly wrapped)
-    module: torch.nn.Module  # the Hugging Face module inside (names, config, save_pretrained)
+    module: torch.nn.Module  # the Hugging Face module inside (with trainer.lora: the PeftModel around it)
+
+    _params: list[tuple[str, torch.nn.Parameter]]  # what is trained, pushed and checkpointed
 
     def __init__(self, cfg: RunConfig, comm: Comm) -> None:
         self.cfg = cfg
         self.comm = comm
+
+    def _track_parameters(self, weights_dir: str | Path) -> None:
+        """Every strategy's last build step, on `self.module` as wrapped: the trained parameters under
+        the servers' names (model.trained_parameters), checked against the checkpoint's names. An
+        adapter has no full checkpoint to match: the servers check its names when it is pushed."""
+        self._params = trained_parameters(self.module, self.cfg)
+        if self.cfg.trainer.lora is None:
+            check_names(self.weight_specs(), weights_dir)
 
     @contextmanager
     def micro_step(self, last: bool) -> Iterator[None]:

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm
-from pipeline_rl.trainer.model import WeightSpec, check_names, load_hf_model, lr_lambda, params_checksum
+from pipeline_rl.trainer.model import WeightSpec, load_policy, lr_lambda, params_checksum
 from pipeline_rl.trainer.strategies.base import Strategy
 
 
@@ -26,7 +26,7 @@ class DDPStrategy(Strategy):
     def __init__(self, cfg: RunConfig, comm: Comm, weights_dir: str | Path) -> None:
         super().__init__(cfg, comm)
         t = cfg.trainer
-        self.module = load_hf_model(weights_dir, comm.device, t.gradient_checkpointing)
+        self.module = load_policy(cfg, weights_dir, comm.device)
         # DDP broadcasts rank 0's weights at construction: every replica starts bit-identical.
         self.model = (
             DistributedDataParallel(
@@ -35,12 +35,11 @@ class DDPStrategy(Strategy):
             if comm.distributed
             else self.module
         )
+        self._track_parameters(weights_dir)
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=t.learning_rate, betas=t.betas, weight_decay=t.weight_decay
+            [p for _, p in self._params], lr=t.learning_rate, betas=t.betas, weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t))
-        self._params = list(self.module.named_parameters())
-        check_names(self.weight_specs(), weights_dir)
 
     @contextmanager
     def micro_step(self, last: bool) -> Iterator[None]:

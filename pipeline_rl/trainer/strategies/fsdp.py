@@ -5,7 +5,8 @@ Each decoder layer (the model's `_no_split_modules` classes) is one FSDP unit, t
 and over nccl on GPU. Gradient accumulation: set_requires_gradient_sync(last) so the reduce-scatter runs
 once per package. Weight push: DTensor.full_tensor() per parameter of a bucket on every rank (an
 all-gather), rank 0 keeps the result. Optimizer state is saved as a full state dict by rank 0; on
-resume every rank reads it and keeps its shards (torch.distributed.checkpoint.state_dict).
+resume every rank reads it and keeps its shards (torch.distributed.checkpoint.state_dict). With
+trainer.lora the frozen base is sharded like the rest; only the adapter has gradients and optimizer state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.trainer.dist import Comm
-from pipeline_rl.trainer.model import WeightSpec, check_names, load_hf_model, lr_lambda
+from pipeline_rl.trainer.model import WeightSpec, load_policy, lr_lambda
 from pipeline_rl.trainer.strategies.base import Strategy
 
 
@@ -35,7 +36,7 @@ class FSDPStrategy(Strategy):
                 "config): transformers then loads weights on rank 0 only and the other ranks would train "
                 "garbage; set it to false in pipeline_rl/conf/accelerate/fsdp.yaml"
             )
-        module = load_hf_model(weights_dir, comm.device, cfg.trainer.gradient_checkpointing)
+        module = load_policy(cfg, weights_dir, comm.device)
         self.sharded = comm.distributed
         if self.sharded:
             from torch.distributed.device_mesh import init_device_mesh
@@ -48,12 +49,11 @@ class FSDPStrategy(Strategy):
             fully_shard(module, mesh=mesh)
         self.model = self.module = module
         self.gather_is_collective = self.sharded
+        self._track_parameters(weights_dir)
         self.optimizer = torch.optim.AdamW(
-            module.parameters(), lr=t.learning_rate, betas=t.betas, weight_decay=t.weight_decay
+            [p for _, p in self._params], lr=t.learning_rate, betas=t.betas, weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t))
-        self._params = list(module.named_parameters())
-        check_names(self.weight_specs(), weights_dir)
 
     @contextmanager
     def micro_step(self, last: bool) -> Iterator[None]:

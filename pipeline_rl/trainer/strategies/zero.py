@@ -12,7 +12,8 @@ exactly once per package and never rescales the loss (the loss is already normal
 
 Weight push: ZeRO-3 parameters are partitioned; gather() runs deepspeed.zero.GatheredParameters over one
 bucket's parameters on every rank and rank 0 copies the full tensors out. ZeRO-2 keeps full parameters
-on every rank, so rank 0 reads its own. Optimizer/scheduler state: DeepSpeed's own sharded checkpoint.
+on every rank, so rank 0 reads its own. Optimizer/scheduler state: DeepSpeed's own sharded checkpoint
+(with trainer.lora: of the adapter only; the frozen base is left out of it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from pipeline_rl.config import RunConfig
 from pipeline_rl.paths import CONF_DIR
 from pipeline_rl.trainer.dist import Comm
-from pipeline_rl.trainer.model import WeightSpec, check_names, load_hf_model, lr_lambda
+from pipeline_rl.trainer.model import WeightSpec, load_policy, lr_lambda, trained_parameters
 from pipeline_rl.trainer.strategies.base import Strategy
 
 TRAINER_OWNED = (
@@ -109,10 +110,10 @@ class DeepSpeedStrategy(Strategy):
             skip_shared_memory_op()
         # Reuses the default group init_comm created (DeepSpeed notices it is initialized).
         deepspeed.init_distributed(dist_backend="nccl" if comm.device.type == "cuda" else "gloo")
-        module = load_hf_model(weights_dir, comm.device, cfg.trainer.gradient_checkpointing)
+        module = load_policy(cfg, weights_dir, comm.device)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,
-            model_parameters=module.parameters(),
+            model_parameters=[p for _, p in trained_parameters(module, cfg)],
             config=deepspeed_config(cfg, comm.world, stage),
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(cfg.trainer)
@@ -120,8 +121,7 @@ class DeepSpeedStrategy(Strategy):
         )
         self.model = self.engine
         self.module = self.engine.module
-        self._params = list(self.module.named_parameters())
-        check_names(self.weight_specs(), weights_dir)
+        self._track_parameters(weights_dir)
 
     @contextmanager
     def micro_step(self, last: bool) -> Iterator[None]:
@@ -154,11 +154,22 @@ class DeepSpeedStrategy(Strategy):
             return [p.detach().clone() for p in params] if self.comm.is_main else None
 
     def save_optimizer(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+        # With trainer.lora the frozen base stays out: the checkpoint's model/ holds the adapter, and
+        # the base is cfg.model_path.
+        self.engine.save_checkpoint(
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            save_latest=False,
+            exclude_frozen_parameters=self.cfg.trainer.lora is not None,
+        )
 
     def load_optimizer(self, directory: Path) -> None:
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(directory),
+            tag=CHECKPOINT_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=self.cfg.trainer.lora is None,  # lora: the frozen base is not in it
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{CHECKPOINT_TAG}' in {directory}")
