@@ -36,6 +36,9 @@ ORDER = (
     "engine-profile",
     "warmup-seeds",
     "tracking-cost",
+    "ray-cost",
+    "lora-cost",
+    "lora-demo",
     "soak",
 )
 

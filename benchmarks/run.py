@@ -17,6 +17,8 @@ go under artifacts/bench/.
     python -m benchmarks warmup-seeds         # the demo's supervised warm-up across seeds, with and without decay
     python -m benchmarks tracking-cost        # a run's samples/s with TensorBoard, W&B and MLflow on vs off
     python -m benchmarks ray-cost             # a run on a one-node Ray cluster vs the local launcher; Ray's idle cost
+    python -m benchmarks lora-cost            # LoRA adapter push vs full push vs vLLM's reload; tokens/s under pushes
+    python -m benchmarks lora-demo            # the demo task with a LoRA adapter vs full fine-tuning, 3 seeds
     python -m benchmarks soak                 # 30 min under >= 20 random faults: nothing lost, nothing twice
     python -m benchmarks demo                 # `make demo` in a fresh clone of this checkout, added to the recorded runs
     python -m benchmarks all                  # every one, in that order, sharing servers
@@ -128,6 +130,18 @@ def _ray_cost(ctx: BenchContext) -> dict:
     return ray_cost.run(ctx)
 
 
+def _lora_cost(ctx: BenchContext) -> dict:
+    from benchmarks import lora_cost
+
+    return lora_cost.run(ctx)
+
+
+def _lora_demo(ctx: BenchContext) -> dict:
+    from benchmarks import lora_demo
+
+    return lora_demo.run(ctx)
+
+
 def _soak(ctx: BenchContext) -> dict:
     from benchmarks import soak
 
@@ -155,6 +169,8 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "warmup-seeds": _warmup_seeds,
     "tracking-cost": _tracking_cost,
     "ray-cost": _ray_cost,
+    "lora-cost": _lora_cost,
+    "lora-demo": _lora_demo,
     "soak": _soak,
     "demo": _demo,
 }
