@@ -106,7 +106,7 @@ def test_every_benchmark_runs_quick_and_writes_its_result(tmp_path: Path) -> Non
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-13:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-15:] == [
         "streams",
         "shim",
         "multihost",
@@ -118,6 +118,8 @@ def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> Non
         "warmup-seeds",
         "tracking-cost",
         "ray-cost",
+        "lora-cost",
+        "lora-demo",
         "soak",
         "demo",
     ]

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import time
 
 import pytest
-from support.launching import assert_clean_finish, finish, pid_of, start_run, trainer_log, wait_version
+from support.launching import (
+    assert_clean_finish,
+    finish,
+    pid_of,
+    read_until,
+    start_run,
+    trainer_log,
+    wait_version,
+)
 
 from inference_shim.faults import fired
 from pipeline_rl.trainer.checkpoint import latest_checkpoint
@@ -28,18 +34,6 @@ from pipeline_rl.trainer.checkpoint import latest_checkpoint
 pytestmark = pytest.mark.slow
 
 STEPS = 24
-
-
-def _read_until(proc, output: str, pattern: str, timeout_s: float) -> str:
-    os.set_blocking(proc.stdout.fileno(), False)
-    deadline = time.monotonic() + timeout_s
-    while not re.search(pattern, output):
-        assert time.monotonic() < deadline and proc.poll() is None, f"no {pattern!r}:\n{output[-4000:]}"
-        line = proc.stdout.readline()
-        output += line or ""
-        if not line:
-            time.sleep(0.05)
-    return output
 
 
 def test_a_lora_run_survives_a_server_and_the_trainer_dying(launch_model, tmp_path, monkeypatch):
@@ -54,10 +48,10 @@ def test_a_lora_run_survives_a_server_and_the_trainer_dying(launch_model, tmp_pa
         "trainer.lora.rank=8",
         "trainer.learning_rate=1e-3",
     )
-    output = _read_until(proc, "", r"started actor0 \(pid \d+\)", timeout_s=300)
+    output = read_until(proc, r"started actor0 \(pid \d+\)", timeout_s=300)
     wait_version(proc, port, 4)
     os.killpg(pid_of(output, "server0"), signal.SIGKILL)
-    output = _read_until(proc, output, r"restarted server0\b", timeout_s=120)
+    output += read_until(proc, r"restarted server0\b", timeout_s=120)
     output = finish(proc, output, timeout_s=600)
 
     assert fired(faults_dir) == ["sender.broadcast"], output[-4000:]
