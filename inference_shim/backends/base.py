@@ -296,9 +296,9 @@ class Backend(abc.ABC):
             raise ContractError(
                 400,
                 "unsigned_store",
-                f"this server speaks contract {CONTRACT_VERSION}, which signs every store value with the "
-                f'server\'s token: send "store_signing": "{STORE_SIGNING}" and sign the decision and every '
-                "value you write as docs/contract.md § Store values says (a contract 1.0 trainer does not)",
+                f"this server speaks contract {CONTRACT_VERSION}; since contract 2.0 every store value is "
+                f'signed with the server\'s token: send "store_signing": "{STORE_SIGNING}" and sign the decision '
+                "and every value you write as docs/contract.md § Store values says (a contract 1.0 trainer does not)",
             )
         async with self._update_lock:
             validate_update(
