@@ -55,6 +55,10 @@ VARIANTS = {
 GAIN_POINTS = 20
 
 
+def servers_needed(ctx: BenchContext) -> list:
+    return []  # every run starts its own server through the launcher
+
+
 def _push_bytes(run_dir: Path) -> float | None:
     lines = [json.loads(x) for x in (run_dir / "trainer_metrics.jsonl").read_text().splitlines() if x.strip()]
     pushed = [line["push_bytes"] for line in lines if line.get("push_bytes")]
