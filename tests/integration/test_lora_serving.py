@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -32,6 +33,7 @@ RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SPEC = AdapterSpec(rank=RANK, alpha=16.0, target_modules=TARGETS)
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
+PUSHES = 8  # adapter pushes while clients stream
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +145,8 @@ def test_an_adapter_pushed_while_clients_stream_is_served_exactly(lora_model, tm
     second, second_tensors = _peft(lora_model, seed=2)
     base = AutoModelForCausalLM.from_pretrained(lora_model, dtype=torch.float32).eval()
     adapter_bytes = sum(t.numel() * t.element_size() for _, t in first_tensors)
-    extra = ("--lora-max-rank", str(RANK), "--max-model-len", "128")
+    # keep: what a pipelined run's servers use; requests in flight go on across an update.
+    extra = ("--lora-max-rank", str(RANK), "--max-model-len", "128", "--kv-after-update", "keep")
     with running_servers(lora_model, tmp_path, 1, token=TOKEN, extra=extra, backend=backend) as urls:
         url = urls[0]
         caps = httpx.get(f"{url}/capabilities", timeout=10).json()
@@ -173,34 +176,44 @@ def test_an_adapter_pushed_while_clients_stream_is_served_exactly(lora_model, tm
                 t.start()
             try:
                 assert all(e.wait(120) for e in started), "a client got no token"
-                report = sender.push_tensors(1, first_tensors)
+                # Several pushes (the same adapter as versions 1..PUSHES), apart, so that requests in
+                # flight cross at least one of them also on a loaded machine.
+                reports = []
+                for version in range(1, PUSHES + 1):
+                    reports.append(sender.push_tensors(version, first_tensors))
+                    time.sleep(0.5)
             finally:
                 stop.set()
                 for t in threads:
                     t.join(120)
-            assert report.total_bytes == adapter_bytes and all(r.ok for r in report.results)
+            assert all(r.total_bytes == adapter_bytes and all(x.ok for x in r.results) for r in reports)
             spans_seen = []
+            versions = list(range(PUSHES + 1))
             for out in outcomes:
                 for outcome in out:
                     assert not isinstance(outcome, Exception), outcome
                     tokens, finish, spans = outcome
                     assert (tokens, finish) == (100, "length")
                     assert spans[0]["start"] == 0 and spans[-1]["end"] == tokens
-                    assert [s["version"] for s in spans] in ([0], [0, 1], [1]), spans
-                    spans_seen.append([s["version"] for s in spans])
-                assert [s["version"] for s in out[-1][2]] == [1]  # sent once the push had returned
-            assert [0, 1] in spans_seen, f"no request spanned the adapter update: {spans_seen}"
+                    labels = [s["version"] for s in spans]
+                    first_label = versions.index(labels[0])  # consecutive versions, in order
+                    assert labels == versions[first_label : first_label + len(labels)], labels
+                    spans_seen.append(labels)
+                assert [s["version"] for s in out[-1][2]] == [PUSHES]  # sent once the last push returned
+            assert any(len(x) >= 2 for x in spans_seen), f"no request spanned an adapter update: {spans_seen}"
             _assert_serves(url, first)
             if backend == "vllm":
                 _assert_serves(url, base, "tiny:base")  # the base alone, beside the adapter
             _refusals(url, group_ready=True)
             _assert_serves(url, first)  # refused updates changed nothing
-            sender.push_tensors(2, second_tensors)
+            sender.push_tensors(PUSHES + 1, second_tensors)
             _assert_serves(url, second)
             state = httpx.get(
                 f"{url}/debug/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
             ).json()
-            assert state["weight_version"] == 2 and state["last_update"]["total_bytes"] == adapter_bytes
+            assert (
+                state["weight_version"] == PUSHES + 1 and state["last_update"]["total_bytes"] == adapter_bytes
+            )
         finally:
             sender.close()
         # An adapter of another rank and fewer targets replaces the whole adapter (the other layers' zeroed).
@@ -209,7 +222,7 @@ def test_an_adapter_pushed_while_clients_stream_is_served_exactly(lora_model, tm
         sender = WeightSender([url], token=TOKEN, backend="gloo", timeout_s=60, adapter=spec)
         sender.connect()
         try:
-            sender.push_tensors(3, third_tensors)
+            sender.push_tensors(PUSHES + 2, third_tensors)
             _assert_serves(url, third)
         finally:
             sender.close()
