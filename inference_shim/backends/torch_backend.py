@@ -448,15 +448,16 @@ class TorchBackend(StagedReceive, Backend):
         """W = W0 + alpha / r * B @ A for every targeted weight, W = W0 for every other weight an earlier
         adapter changed (validate_update checked the names)."""
         scale = spec.alpha / spec.rank
-        targeted = {n.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for n in tensors}
+        a_suffix = ".lora_A.weight"
+        targeted = {
+            n.removeprefix(PEFT_PREFIX).removesuffix(a_suffix) for n in tensors if n.endswith(a_suffix)
+        }
         for module, base in self._lora_base.items():  # layers the previous adapter had and this one lacks
             if module not in targeted:
                 params[f"{module}.weight"].copy_(base)
-        for a_name, a in tensors.items():
-            if not a_name.endswith(".lora_A.weight"):
-                continue
-            module = a_name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
-            b = tensors[adapter_tensor_names(module)[1]]
+        for module in targeted:
+            a_name, b_name = adapter_tensor_names(module)
+            a, b = tensors[a_name], tensors[b_name]
             weight = params[f"{module}.weight"]
             base = self._lora_base.setdefault(module, weight.detach().clone())
             delta = (b.float() @ a.float()) * scale
