@@ -12,6 +12,7 @@ is one dictionary lookup on an empty dict. Points in the code:
     sender.broadcast   trainer rank 0, a bucket of a weight push on the wire (the servers are mid-receive)
     checkpoint.write   trainer rank 0, a checkpoint's files written but not yet published
     server.received    inference server, an update received but not yet applied
+    actor.carried      actor (partial rollouts), a round's group carried or written, its old entry not acked
 """
 
 from __future__ import annotations

@@ -17,8 +17,16 @@ Normalize = Literal["sequences", "sequence_mean", "tokens"]
 
 # Algorithm defaults applied when a field is left at None: the published values of each method.
 DEFAULT_IS_CAP = 5.0
-DEFAULT_CLIP_EPS = {"ppo": (0.2, None), "dapo": (0.2, 0.28)}  # None: high = low (symmetric clip)
-DEFAULT_NORMALIZE: dict[str, Normalize] = {"grpo": "sequences", "ppo": "sequences", "dapo": "tokens"}
+# None: high = low (symmetric clip). decoupled: AReaL's eps_clip default, symmetric.
+DEFAULT_CLIP_EPS = {"ppo": (0.2, None), "dapo": (0.2, 0.28), "decoupled": (0.2, None)}
+DEFAULT_BEHAV_IMP_WEIGHT_CAP = 5.0  # what AReaL's decoupled-PPO recipes set
+# decoupled: AReaL divides the token sum by the number of trained tokens.
+DEFAULT_NORMALIZE: dict[str, Normalize] = {
+    "grpo": "sequences",
+    "ppo": "sequences",
+    "dapo": "tokens",
+    "decoupled": "tokens",
+}
 
 # Names used before the three normalizations were named apart. They are rejected, not mapped: "sequence"
 # meant the per-sequence mean, which is easy to mistake for PipelineRL's "sequences".
@@ -37,17 +45,34 @@ class AlgoConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["grpo", "ppo", "dapo"] = Field(
-        "grpo", description="Objective: simplified GRPO (REINFORCE + truncated IS), PPO-clip, or DAPO."
+    name: Literal["grpo", "ppo", "dapo", "decoupled"] = Field(
+        "grpo",
+        description="Objective: simplified GRPO (REINFORCE + truncated IS), PPO-clip, DAPO, or AReaL's "
+        "decoupled PPO (proximal policy apart from the behaviour policy).",
     )
     is_cap: float | None = Field(
         None, description="grpo only: cap of the importance weight exp(new - old); None means 5.0."
     )
     clip_eps_low: float | None = Field(
-        None, description="ppo/dapo: ratio is clipped below at 1 - clip_eps_low; None means 0.2."
+        None, description="ppo/dapo/decoupled: ratio is clipped below at 1 - clip_eps_low; None means 0.2."
     )
     clip_eps_high: float | None = Field(
-        None, description="ppo/dapo: ratio is clipped above at 1 + clip_eps_high; None: ppo = low, dapo 0.28."
+        None,
+        description="ppo/dapo/decoupled: ratio is clipped above at 1 + clip_eps_high; None: dapo 0.28, "
+        "the others = clip_eps_low.",
+    )
+    behav_imp_weight_cap: float | None = Field(
+        None,
+        description="decoupled only: tokens whose behaviour weight exp(proximal - old) exceeds it are "
+        "left out of the policy term (AReaL's semantics); None means 5.0.",
+    )
+    lag_correction: Literal["none", "decay"] = Field(
+        "none",
+        description="Per-token correction for staleness: none, or decay (each token's policy term times "
+        "lag_decay ** lag, lag = versions between the weights that sampled the token and the trainer's).",
+    )
+    lag_decay: float | None = Field(
+        None, description="lag_correction=decay: the factor per version of lag, in (0, 1), e.g. 0.9."
     )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to reference logprobs; 0 = off.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus; 0 = off.")
@@ -69,8 +94,9 @@ class AlgoConfig(BaseModel):
         if self.name == "grpo":
             if self.clip_eps_low is not None or self.clip_eps_high is not None:
                 raise ValueError(
-                    "algo.clip_eps_low/clip_eps_high only apply to ppo and dapo; grpo truncates the "
-                    "importance weight with algo.is_cap instead. Remove them or set algo.name=ppo|dapo."
+                    "algo.clip_eps_low/clip_eps_high only apply to ppo, dapo and decoupled; grpo truncates "
+                    "the importance weight with algo.is_cap instead. Remove them or set "
+                    "algo.name=ppo|dapo|decoupled."
                 )
             if self.is_cap is None:
                 self.is_cap = DEFAULT_IS_CAP
@@ -78,9 +104,10 @@ class AlgoConfig(BaseModel):
                 raise ValueError(f"algo.is_cap must be > 0 (got {self.is_cap}); the usual value is 5.0.")
         else:
             if self.is_cap is not None:
+                hint = " and masks with algo.behav_imp_weight_cap" if self.name == "decoupled" else ""
                 raise ValueError(
                     f"algo.is_cap only applies to grpo; {self.name} clips the ratio with "
-                    "algo.clip_eps_low/clip_eps_high instead. Remove is_cap or set algo.name=grpo."
+                    f"algo.clip_eps_low/clip_eps_high{hint} instead. Remove is_cap or set algo.name=grpo."
                 )
             default_low, default_high = DEFAULT_CLIP_EPS[self.name]
             if self.clip_eps_low is None:
@@ -99,6 +126,40 @@ class AlgoConfig(BaseModel):
                     f"dapo's clip-higher needs algo.clip_eps_high >= algo.clip_eps_low (got "
                     f"{self.clip_eps_high} < {self.clip_eps_low}); swap them or use algo.name=ppo."
                 )
+        self._resolve_behaviour_cap()
+        self._check_lag_correction()
         if self.normalize is None:
             self.normalize = DEFAULT_NORMALIZE[self.name]
         return self
+
+    def _resolve_behaviour_cap(self) -> None:
+        if self.name != "decoupled":
+            if self.behav_imp_weight_cap is not None:
+                raise ValueError(
+                    f"algo.behav_imp_weight_cap only applies to decoupled; {self.name} has no proximal "
+                    "policy to weigh the behaviour policy against. Remove it or set algo.name=decoupled."
+                )
+            return
+        if self.behav_imp_weight_cap is None:
+            self.behav_imp_weight_cap = DEFAULT_BEHAV_IMP_WEIGHT_CAP
+        if self.behav_imp_weight_cap <= 1.0:
+            raise ValueError(
+                f"algo.behav_imp_weight_cap must be > 1 (got {self.behav_imp_weight_cap}): at or below 1 "
+                "it drops every token the proximal policy finds likelier than the sampler did, on-policy "
+                "ones included. AReaL's recipes use 5.0."
+            )
+
+    def _check_lag_correction(self) -> None:
+        if self.lag_correction == "none":
+            if self.lag_decay is not None:
+                raise ValueError(
+                    "algo.lag_decay only applies with algo.lag_correction=decay; set lag_correction=decay "
+                    "or remove lag_decay."
+                )
+            return
+        if self.lag_decay is None or not 0.0 < self.lag_decay < 1.0:
+            raise ValueError(
+                f"algo.lag_correction=decay needs algo.lag_decay in (0, 1) (got {self.lag_decay}): a token "
+                "k versions behind weighs lag_decay ** k, e.g. 0.9 (0.66 at lag 4). For no decay set "
+                "algo.lag_correction=none."
+            )

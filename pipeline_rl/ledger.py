@@ -9,6 +9,8 @@ under <run_dir>/ledger/ (no two processes share a file, except the trainer's acr
 which never overlap in time):
 
     actor<i>-<incarnation>.jsonl  {"event": "generated", "group": G, "ids": [...]}   before the stream write
+                                  {"event": "carried", "group": G, "ids": [...]}   partial rollouts: a
+                                  round cut these answers; written before the `carried` stream write
     prep<i>-<boot>.jsonl          {"event": "dropped", "reason": R, "group": G, "ids": [...]}   before the ack
     trainer.jsonl                 {"event": "trained", "step": S, "ids": [...]}
                                   {"event": "dropped", "reason": "too_stale", "step": S, "ids": [...]}
@@ -45,6 +47,11 @@ vanished, so every other sample must be LOCATED, by id:
 Anything else is LOST, named by id. Without a locations.json (the run crashed, or was interrupted)
 the located and lost counts are not established, and the report says so.
 
+Carried samples (sync partial rollouts, actor.round_tokens) are not generated yet: an answer a round cut
+waits on the `carried` topic and is "generated" once a later round finishes it. Every id with a
+"carried" line and no "generated" line must be located there at a clean stop (the snapshot's
+`carried` place), else it is LOST like any other (`carried_lost`).
+
 Drop reasons: filtered (all rewards equal: DAPO dynamic sampling), too_long (longer than
 preprocess.seq_length with overlong=drop, or a prompt that fills it), untrainable (no token left to train
 on, e.g. every completion id outside the vocabulary), malformed (a group the preprocessor could not
@@ -62,6 +69,8 @@ from pathlib import Path
 from typing import Any
 
 LEDGER_DIR = "ledger"
+# The place of the location snapshot that holds carried answers (the `carried` topic, unacknowledged).
+CARRIED_PLACE = "carried (cut by a round, to continue in the next)"
 TRAINER_FILE = "trainer.jsonl"
 LOCATIONS_FILE = "locations.json"
 EXITS_FILE = "exits.jsonl"
@@ -99,6 +108,9 @@ class LedgerWriter:
 
     def generated(self, group: str, ids: list[str]) -> None:
         self.append({"event": "generated", "group": group, "ids": ids})
+
+    def carried(self, group: str, ids: list[str]) -> None:
+        self.append({"event": "carried", "group": group, "ids": ids})
 
     def dropped(
         self,
@@ -204,6 +216,9 @@ class LedgerSummary:
     abandoned: list[str] = field(default_factory=list)  # last group of an incarnation that exited uncleanly
     lost: list[str] | None = None  # in flight, found nowhere: must stay empty
     not_established: list[str] = field(default_factory=list)  # what the snapshot could not read
+    carried: int = 0  # distinct samples a round cut at least once (partial rollouts)
+    carried_open: list[str] = field(default_factory=list)  # carried, not generated (yet)
+    carried_lost: list[str] | None = None  # carried_open found nowhere (None: not established)
 
     @property
     def dropped_total(self) -> int:
@@ -217,7 +232,11 @@ class LedgerSummary:
     @property
     def balanced(self) -> bool:
         return not (
-            self.duplicates_trained or self.trained_and_dropped or self.not_generated or self.lost
+            self.duplicates_trained
+            or self.trained_and_dropped
+            or self.not_generated
+            or self.lost
+            or self.carried_lost
         ) and (self.generated == self.trained + self.dropped_total + len(self.in_flight))
 
     def as_dict(self) -> dict[str, Any]:
@@ -246,6 +265,13 @@ class LedgerSummary:
             head += f"located {self.located_total} + abandoned {len(self.abandoned)} + unlocated {rest}"
             head += f"; lost {lost}"
         out = [head, f"  dropped by reason: {reasons}", f"  trained twice: {len(self.duplicates_trained)}"]
+        if self.carried:
+            waiting = len(self.carried_open)
+            lost = "not established" if self.carried_lost is None else str(len(self.carried_lost))
+            out.append(
+                f"  carried across rounds: {self.carried} samples, {self.carried - waiting} since finished, "
+                f"{waiting} still carried; lost {lost}"
+            )
         if self.located is None:
             out.append(
                 "  located / lost: not established (no location snapshot: the run did not stop cleanly); "
@@ -259,6 +285,7 @@ class LedgerSummary:
             ("in flight", self.in_flight if self.located is None else []),
             ("abandoned by a process that exited uncleanly", self.abandoned),
             ("LOST", self.lost or []),
+            ("CARRIED AND LOST", self.carried_lost or []),
             ("TRAINED TWICE", self.duplicates_trained),
             ("TRAINED AND DROPPED", self.trained_and_dropped),
             ("NEVER GENERATED", self.not_generated),
@@ -274,6 +301,7 @@ def ledger_summary(run_dir: str | Path) -> LedgerSummary:
     """Read every ledger file of the run and account for every sample id (see the module docstring)."""
     summary = LedgerSummary()
     generated: set[str] = set()
+    carried: set[str] = set()
     dropped: dict[str, str] = {}  # id -> first reason (a redone drop repeats the same one)
     duplicate_copies = 0
     trained_lines: list[dict[str, Any]] = []
@@ -299,6 +327,8 @@ def ledger_summary(run_dir: str | Path) -> LedgerSummary:
                 generated.update(ids)
                 if pid is not None:
                     last_generated[pid] = ids
+            elif event == "carried":
+                carried.update(ids)
             elif event == "trained":
                 trained_lines.append(r)
             elif event == "dropped" and r.get("reason") == DUPLICATE:
@@ -316,6 +346,8 @@ def ledger_summary(run_dir: str | Path) -> LedgerSummary:
     summary.trained_and_dropped = sorted(set(trained) & set(dropped))
     summary.not_generated = sorted((set(trained) | set(dropped)) - generated)
     summary.in_flight = sorted(generated - set(trained) - set(dropped))
+    summary.carried = len(carried)
+    summary.carried_open = sorted(carried - generated)
     _locate(summary, root, held, last_generated)
     return summary
 
@@ -354,6 +386,8 @@ def _locate(
     summary.abandoned = sorted(abandoned)
     # What the snapshot could not read may hold the rest: then lost is not established either.
     summary.lost = None if summary.not_established else sorted(waiting - abandoned)
+    open_carried = set(summary.carried_open) - places.get(CARRIED_PLACE, set())
+    summary.carried_lost = None if summary.not_established else sorted(open_carried)
 
 
 def _apply_rewinds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

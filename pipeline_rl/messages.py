@@ -12,6 +12,8 @@ Topics (see pipeline_rl/streams):
   stats               StatsRecord         everyone -> launcher / plots
                       CompletionSample    actors -> launcher (the trackers' tables; tracking on only)
   dead_letter         DeadLetter          any consumer that met a message it could not decode
+  carried             CarriedGroup        actor -> itself (sync partial rollouts: a group whose answers
+                                          a round cut, continued in the next round)
 """
 
 from __future__ import annotations
@@ -69,6 +71,37 @@ class RolloutGroup(BaseModel):
     samples: list[Sample]
     metadata: dict[str, Any] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time)
+
+
+class PartialSample(BaseModel):
+    """One answer of a carried group as far as it got: what the server sampled so far, exactly."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    version_spans: list[VersionSpan] = Field(default_factory=list)
+    text: str = ""
+    server: str = ""
+    finish_reason: str | None = Field(None, description="None while unfinished.")
+    segments: int = Field(0, description="Requests that produced its tokens (rounds it ran in).")
+
+
+class CarriedGroup(BaseModel):
+    """A group a sync round with partial rollouts cut (actor.round_tokens): on the `carried` topic until
+    the next round continues it, so a killed actor's successor picks it up (docs/actor.md)."""
+
+    kind: Literal["carried_group"] = "carried_group"
+    group_id: str
+    problem: dict[str, Any] = Field(description="The tasks.Problem it answers, as data.")
+    start_version: int
+    started_at: float
+    rounds: int = Field(description="Rounds it has run in so far.")
+    samples: list[PartialSample]
+    created_at: float = Field(default_factory=time.time)
+
+    def sample_ids(self) -> list[str]:
+        """The ids its samples get when written (the actor's '<group_id>/<index>')."""
+        return [f"{self.group_id}/{i}" for i in range(len(self.samples))]
 
 
 class TrainingSample(BaseModel):
@@ -187,7 +220,8 @@ Message = Annotated[
     | PreprocessorProgress
     | StatsRecord
     | CompletionSample
-    | DeadLetter,
+    | DeadLetter
+    | CarriedGroup,
     Field(discriminator="kind"),
 ]
 _message_adapter: TypeAdapter[Message] = TypeAdapter(Message)

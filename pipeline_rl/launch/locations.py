@@ -2,6 +2,7 @@
 the places of the ledger's positive accounting (pipeline_rl/ledger.py, "Positive accounting").
 
     rollouts (not acknowledged by the preprocessors)   pending or undelivered group entries
+    carried (not acknowledged by the actor)           answers a sync round cut (partial rollouts)
     training_data/<r> (after rank r's checkpoint)       packages the rank had not read when it saved
     trainer rank <r> checkpoint (read, not trained)     packages its last checkpoint holds in its buffer
 
@@ -15,11 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline_rl.config import RunConfig
-from pipeline_rl.ledger import write_locations
-from pipeline_rl.messages import RolloutGroup, TrainingPackage
+from pipeline_rl.ledger import CARRIED_PLACE, write_locations
+from pipeline_rl.messages import CarriedGroup, RolloutGroup, TrainingPackage
 from pipeline_rl.preprocess.main import GROUP as PREPROCESS_GROUP
 from pipeline_rl.preprocess.ops import is_padding
-from pipeline_rl.streams import ROLLOUTS, open_store, training_partition
+from pipeline_rl.streams import CARRIED, CARRY_GROUP, ROLLOUTS, open_store, training_partition
 from pipeline_rl.streams.base import decode_entry
 
 
@@ -30,16 +31,20 @@ def _package_ids(package: TrainingPackage) -> list[str]:
 def _message_ids(message) -> list[str]:
     if isinstance(message, RolloutGroup):
         return [s.sample_id for s in message.samples]
+    if isinstance(message, CarriedGroup):
+        return message.sample_ids()
     if isinstance(message, TrainingPackage):
         return _package_ids(message)
     return []
 
 
-def _stream_ids(cfg: RunConfig, topic: str, entries: str, position: str | None = None) -> list[str]:
+def _stream_ids(
+    cfg: RunConfig, topic: str, entries: str, position: str | None = None, group: str = PREPROCESS_GROUP
+) -> list[str]:
     store = open_store(cfg.streams, topic)
     try:
         if entries == "unacked":
-            raw = store.unacked(PREPROCESS_GROUP)
+            raw = store.unacked(group)
         else:
             raw, after = [], position if position is not None else store.start_position
             while page := store.read_after(after, 1000, 0.0):
@@ -66,6 +71,11 @@ def snapshot_locations(cfg: RunConfig, run_dir: Path) -> Path:
         places[f"{ROLLOUTS} (not acknowledged by the preprocessors)"] = _stream_ids(cfg, ROLLOUTS, "unacked")
     except Exception as e:  # noqa: BLE001 - named in the report instead
         unknown.append(f"{ROLLOUTS}: {type(e).__name__}: {e}")
+    if cfg.actor.round_tokens is not None:
+        try:
+            places[CARRIED_PLACE] = _stream_ids(cfg, CARRIED, "unacked", group=CARRY_GROUP)
+        except Exception as e:  # noqa: BLE001 - named in the report instead
+            unknown.append(f"{CARRIED}: {type(e).__name__}: {e}")
     try:
         checkpoint = latest_checkpoint(run_dir)
     except Exception as e:  # noqa: BLE001

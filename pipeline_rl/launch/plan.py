@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from inference_shim.cli import cpu_engine_env
 from inference_shim.procs import LOOPBACK_HOSTS, free_port, serve_argv
+from pipeline_rl.actor.rounds import lag_bound
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError
 from pipeline_rl.launch.processes import ProcessSpec
@@ -227,6 +228,9 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         if cfg.inference.max_model_len is not None:  # unset: the server reads the checkpoint's own
             engine += ["--max-model-len", str(cfg.inference.max_model_len)]
         engine += ["--seed", str(cfg.seed + i), "--kv-after-update", cfg.inference.kv_after_update]
+        engine += ["--update-mode", cfg.inference.update_mode]
+        if cfg.inference.update_mode == "drain":
+            engine += ["--drain-timeout-s", str(cfg.inference.drain_timeout_s)]
         if on_gpu and cfg.inference.backend == "vllm":
             engine += ["--gpu-memory-utilization", str(cfg.inference.gpu_memory_utilization)]
         if cfg.trainer.lora is not None:  # the servers take the trainer's adapter, in memory
@@ -298,8 +302,17 @@ def resolve(cfg: RunConfig, run_dir: Path, roles: set[str] | None = None) -> Run
     if cfg.mode == "sync":
         # Conventional RL with the same components: generate exactly one step's groups with the
         # current weights, train on them, push, repeat — no overlap between generation and training.
-        groups_per_step = cfg.trainer.batch_size // cfg.actor.attempts
-        updates["actor"] = cfg.actor.model_copy(update={"max_lag": 0, "max_buffered_groups": groups_per_step})
+        # Partial rollouts (actor.round_tokens): a round holds two steps' worth of groups, so that it
+        # need not wait for its longest answers, and an answer runs in several rounds, so it trains
+        # some versions late (rounds.lag_bound).
+        a, groups_per_step = cfg.actor, cfg.trainer.batch_size // cfg.actor.attempts
+        if a.round_tokens is None:
+            update = {"max_lag": 0, "max_buffered_groups": groups_per_step}
+        else:
+            buffered = 2 * groups_per_step
+            lag = lag_bound(a.max_tokens, a.round_tokens, groups_per_step, buffered)
+            update = {"max_lag": lag, "max_buffered_groups": buffered}
+        updates["actor"] = a.model_copy(update=update)
     return cfg.model_copy(update=updates)
 
 

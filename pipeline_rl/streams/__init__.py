@@ -34,6 +34,8 @@ from pipeline_rl.streams.base import (
     Writer,
 )
 from pipeline_rl.streams.config import (
+    CARRIED,
+    CARRY_GROUP,
     DEAD_LETTER,
     ROLLOUTS,
     STATS,
@@ -45,6 +47,8 @@ from pipeline_rl.streams.config import (
 from pipeline_rl.streams.redis_server import RedisServer
 
 __all__ = [
+    "CARRIED",
+    "CARRY_GROUP",
     "DEAD_LETTER",
     "ROLLOUTS",
     "STATS",

@@ -24,6 +24,8 @@ TRAINING_DATA = "training_data"
 TRAINER_EVENTS = "trainer_events"
 STATS = "stats"
 DEAD_LETTER = "dead_letter"
+CARRIED = "carried"
+CARRY_GROUP = "carry"  # the consumer group of `carried`: the actor that continues a cut group
 
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.@:-]*"
 _TOPIC_RE = re.compile(rf"{_NAME}(/{_NAME})*")

@@ -1,8 +1,9 @@
-"""RL objectives of the trainer: PipelineRL's simplified GRPO (default), PPO-clip and DAPO, with optional
-KL-to-reference (k3) and entropy terms. docs/objectives.md has the formulas in prose.
+"""RL objectives of the trainer: PipelineRL's simplified GRPO (default), PPO-clip, DAPO and AReaL's
+decoupled PPO, with optional KL-to-reference (k3) and entropy terms and an optional per-token correction
+for the versions a token's sampler was behind (lag_correction). docs/objectives.md has the formulas.
 
 Everything here is a pure function of per-token tensors, so the objectives are tested on hand-worked
-numbers (tests/unit/test_losses.py) and the trainer only has to line tensors up:
+numbers (tests/unit/trainer/test_losses.py, test_decoupled.py) and the trainer only has to line tensors up:
 
     logits = model(input_ids).logits[:, :-1]                  # position t predicts token t+1
     new_lp = token_logprobs(logits, input_ids[:, 1:])
@@ -130,6 +131,8 @@ def rl_loss(
     entropy: torch.Tensor | None = None,
     num_sequences: int | None = None,
     num_tokens: int | None = None,
+    proximal_logprobs: torch.Tensor | None = None,
+    token_lags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The RL loss of one micro-batch (a scalar with a graph to `new_logprobs` and `entropy`) and metrics.
 
@@ -140,6 +143,10 @@ def rl_loss(
     "sequence_mean") and `num_tokens` (denominator of "tokens") are the counts of the whole optimizer
     step; None means this micro-batch's own counts.
 
+    `proximal_logprobs` (decoupled only) are the proximal policy's; None means the trainer's weights at
+    the start of the step, i.e. `new_logprobs.detach()`, which is what one optimizer step per batch gives.
+    `token_lags` (needed by lag_correction=decay) is each token's versions behind the weights in use.
+
     Metrics are means over this micro-batch's trained tokens (0 when it has none); `num_tokens` and
     `num_sequences` in the dict are the local counts, for weighting when averaging over micro-batches.
     """
@@ -148,9 +155,18 @@ def rl_loss(
         ("new_logprobs", new_logprobs),
         ("old_logprobs", old_logprobs),
         ("advantages", advantages),
+        ("proximal_logprobs", proximal_logprobs),
+        ("token_lags", token_lags),
     ):
-        if t.shape != shape:
+        if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, mask {tuple(shape)}; they must match")
+    if proximal_logprobs is not None and cfg.name != "decoupled":
+        raise ValueError(f"proximal_logprobs only apply to algo.name=decoupled, not {cfg.name}")
+    if cfg.lag_correction == "decay" and token_lags is None:
+        raise ValueError(
+            "algo.lag_correction=decay needs token_lags (each token's versions behind the trainer's "
+            "weights); pass them or set algo.lag_correction=none"
+        )
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("algo.kl_coef > 0 needs ref_logprobs; compute them or set algo.kl_coef=0")
     if cfg.entropy_coef > 0 and entropy is None:
@@ -168,19 +184,34 @@ def rl_loss(
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
     ratio_d = ratio.detach()
 
+    truncated = clipped = behav_masked = torch.zeros_like(m)
     if cfg.name == "grpo":
         # REINFORCE with a truncated importance weight; the weight is a constant (no gradient through it).
         weight = ratio_d.clamp(max=cfg.is_cap)
         per_token = -weight * adv * new
         truncated = m & (ratio_d > cfg.is_cap)
-        clipped = torch.zeros_like(m)
     else:
+        behav_weight = None
+        if cfg.name == "decoupled":
+            # The clip keeps the update near the proximal policy; the sampler's (behaviour) policy enters
+            # only through a constant weight pi_prox / pi_behav, which AReaL zeroes above its cap.
+            prox = new.detach()
+            if proximal_logprobs is not None:
+                prox = torch.where(m, proximal_logprobs.detach().float(), zero)
+            behav_weight = torch.exp((prox - old).clamp(-20.0, 20.0))
+            behav_masked = m & (behav_weight > cfg.behav_imp_weight_cap)
+            behav_weight = torch.where(behav_masked, zero, behav_weight)
+            ratio = torch.exp((new - prox).clamp(-20.0, 20.0))
+            ratio_d = ratio.detach()
         low, high = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
         per_token = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
         # Tokens whose gradient the clip removed: the ratio left the trust region in the direction the
         # advantage pushes it.
         clipped = m & (((adv > 0) & (ratio_d > high)) | ((adv < 0) & (ratio_d < low)))
-        truncated = torch.zeros_like(m)
+        if behav_weight is not None:
+            per_token = behav_weight * per_token
+    if cfg.lag_correction == "decay":
+        per_token = per_token * _lag_decay(token_lags, m, cfg.lag_decay)
     policy_per_token = per_token
 
     kl = None
@@ -201,10 +232,21 @@ def rl_loss(
 
     local_sequences, local_tokens = trained_counts(m, seq_ids)
     policy_loss = (weights * policy_per_token.detach()).sum()
-    metrics = _metrics(m, local_tokens, log_ratio.detach(), clipped, truncated, kl, ent)
+    metrics = _metrics(m, local_tokens, log_ratio.detach(), clipped, truncated, behav_masked, kl, ent)
     metrics["num_sequences"] = float(local_sequences)
     metrics["loss"], metrics["policy_loss"] = torch.stack([loss.detach(), policy_loss]).tolist()
     return loss, metrics
+
+
+def _lag_decay(token_lags: torch.Tensor, m: torch.Tensor, decay: float) -> torch.Tensor:
+    """decay ** lag_t per trained token, 1 elsewhere: a constant factor (no gradient) on the policy term."""
+    lags = torch.where(m, token_lags.detach().float(), torch.zeros((), device=m.device))
+    if bool((lags < 0).any()):
+        raise ValueError(
+            "token_lags holds a negative lag on a trained token: a token sampled by weights newer than "
+            "the trainer's (drop_stale takes such samples out before the step)"
+        )
+    return decay**lags
 
 
 def _metrics(
@@ -213,17 +255,19 @@ def _metrics(
     log_ratio: torch.Tensor,
     clipped: torch.Tensor,
     truncated: torch.Tensor,
+    behav_masked: torch.Tensor,
     kl: torch.Tensor | None,
     ent: torch.Tensor | None,
 ) -> dict[str, float]:
     """Token means over the n trained tokens, read back from the device in one transfer."""
-    names = ["ratio_mean", "ess", "logprob_mismatch", "clip_frac", "truncated_frac"]
+    names = ["ratio_mean", "ess", "logprob_mismatch", "clip_frac", "truncated_frac", "behav_masked_frac"]
     names += ["kl"] * (kl is not None) + ["entropy"] * (ent is not None)
     if n == 0:
         return {"num_tokens": 0.0, **dict.fromkeys(names, 0.0)}
     lr = log_ratio[m].double()
     # ESS of the raw ratios w = exp(lr): (sum w)^2 / (n sum w^2), in log space so huge ratios stay finite.
     log_ess = 2 * torch.logsumexp(lr, 0) - torch.logsumexp(2 * lr, 0) - math.log(n)
-    values = [lr.exp().mean(), log_ess.exp(), lr.abs().mean(), clipped.sum() / n, truncated.sum() / n]
+    values = [lr.exp().mean(), log_ess.exp(), lr.abs().mean()]
+    values += [clipped.sum() / n, truncated.sum() / n, behav_masked.sum() / n]
     values += [t.detach()[m].double().mean() for t in (kl, ent) if t is not None]
     return {"num_tokens": float(n), **dict(zip(names, torch.stack(values).tolist(), strict=True))}

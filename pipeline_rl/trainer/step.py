@@ -43,7 +43,15 @@ from pipeline_rl.trainer.losses import AlgoConfig, rl_loss, token_entropy, token
 from pipeline_rl.trainer.strategies import Strategy
 
 # Token-mean metrics of rl_loss, combined over micro-batches and ranks weighted by trained tokens.
-TOKEN_MEANS = ("ratio_mean", "logprob_mismatch", "clip_frac", "truncated_frac", "kl", "entropy")
+TOKEN_MEANS = (
+    "ratio_mean",
+    "logprob_mismatch",
+    "clip_frac",
+    "truncated_frac",
+    "behav_masked_frac",
+    "kl",
+    "entropy",
+)
 
 
 @dataclass
@@ -75,6 +83,28 @@ class _Sums:
         self.lse[key] = float(
             torch.logaddexp(torch.tensor(self.lse.get(key, -math.inf)), torch.tensor(value))
         )
+
+
+def mixed_version_tokens(versions: torch.Tensor, seq_ids: torch.Tensor) -> int:
+    """Trained tokens of the sequences whose trained tokens two or more weight versions sampled (one
+    answer across an update), from each trained token's version and sequence id."""
+    if versions.numel() == 0:
+        return 0
+    _, seq = torch.unique(seq_ids, return_inverse=True)
+    n = int(seq.max()) + 1
+    low = torch.full((n,), torch.iinfo(versions.dtype).max, dtype=versions.dtype).scatter_reduce(
+        0, seq, versions, "amin"
+    )
+    high = torch.full((n,), torch.iinfo(versions.dtype).min, dtype=versions.dtype).scatter_reduce(
+        0, seq, versions, "amax"
+    )
+    return int((low != high)[seq].sum())
+
+
+def token_lags(versions: torch.Tensor, step: int) -> torch.Tensor:
+    """How many versions each token's sampler was behind the weights that step `step` trains (version
+    step - 1). Prompt tokens (version -1) get `step`; they are never trained."""
+    return (step - 1) - versions
 
 
 def trained_versions(sample: TrainingSample) -> list[int]:
@@ -308,6 +338,7 @@ def train_step(
     for i, micro_batch in enumerate(package.micro_batches):
         t0 = time.perf_counter()
         batch = micro_batch_tensors(micro_batch, comm.device)
+        batch["lags"] = token_lags(batch["versions"], step)
         t1 = time.perf_counter()
         phase["collate_s"] += t1 - t0
         with strategy.micro_step(last=i == n - 1):
@@ -328,13 +359,14 @@ def train_step(
                 entropy=entropy,
                 num_sequences=package.batch_samples,
                 num_tokens=package.batch_tokens,
+                token_lags=batch["lags"],
             )
             t2 = time.perf_counter()
             phase["forward_s"] += t2 - t1
             strategy.backward(loss * comm.world)
         t3 = time.perf_counter()  # DDP's gradient all-reduce of the last micro-batch counts as backward
         phase["backward_s"] += t3 - t2
-        _accumulate(sums, m, new_lp.detach(), logits.detach(), batch, step, need_entropy=entropy is None)
+        _accumulate(sums, m, new_lp.detach(), logits.detach(), batch, need_entropy=entropy is None)
         phase["batch_metrics_s"] += time.perf_counter() - t3
     backward_done = time.perf_counter()
     grad_norm = strategy.optimizer_step()
@@ -378,7 +410,7 @@ def train_step(
     )
 
 
-def _accumulate(sums: _Sums, m: dict, new_lp, logits, batch, step: int, need_entropy: bool) -> None:
+def _accumulate(sums: _Sums, m: dict, new_lp, logits, batch, need_entropy: bool) -> None:
     mask = batch["mask"]
     n_seq, n_tok = trained_counts(mask, batch["seq_ids"])
     sums.add("loss", m["loss"])
@@ -397,8 +429,9 @@ def _accumulate(sums: _Sums, m: dict, new_lp, logits, batch, step: int, need_ent
     sums.logaddexp("lse_w", float(torch.logsumexp(log_ratio, 0)))
     sums.logaddexp("lse_w2", float(torch.logsumexp(2 * log_ratio, 0)))
     sums.max("mismatch_max", float(log_ratio.abs().max()))
-    lag = (step - 1) - batch["versions"][mask]
+    lag = batch["lags"][mask]
     sums.add("lag_sum", float(lag.sum()))
+    sums.add("mixed_version_tokens", mixed_version_tokens(batch["versions"][mask], batch["seq_ids"][mask]))
     sums.max("lag_max", float(lag.max()))
     sums.max("neg_lag_min", float(-lag.min()))
 
@@ -418,6 +451,7 @@ def _combine(views: list[dict]) -> dict[str, float]:
         "policy_loss": total.get("policy_loss", 0.0),
         "samples": total.get("samples", 0.0),
         "trained_tokens": tokens,
+        "mixed_version_tokens": total.get("mixed_version_tokens", 0.0),
         "tokens": total.get("tokens", 0.0),
         "reward": total.get("reward_sum", 0.0) / max(total.get("samples", 0.0), 1.0),
     }

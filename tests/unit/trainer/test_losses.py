@@ -1,6 +1,6 @@
 """RL objectives on tensors small enough to work out by hand (the arithmetic is in the comments).
 
-Run: .venv/bin/python -m pytest -q tests/unit/test_losses.py
+Run: .venv/bin/python -m pytest -q tests/unit/trainer/test_losses.py
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def test_entropy_bonus_is_subtracted():
 # ---------------------------------------------------------------- edge cases
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "decoupled"])
 def test_empty_mask_gives_zero_loss_with_a_valid_graph(name):
     new = _leaf([-1.0, float("-inf"), -2.0])
     old = torch.tensor([float("inf"), 0.0, float("nan")])
@@ -324,7 +324,7 @@ def test_empty_mask_gives_zero_loss_with_a_valid_graph(name):
     assert metrics["num_tokens"] == 0.0 and all(math.isfinite(v) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "decoupled"])
 def test_all_equal_rewards_give_zero_loss_and_zero_gradient(name):
     advantages = group_advantages([1.0, 1.0, 1.0], PreprocessConfig())
     assert advantages == [0.0, 0.0, 0.0]
@@ -336,7 +336,7 @@ def test_all_equal_rewards_give_zero_loss_and_zero_gradient(name):
     assert torch.equal(new.grad, torch.zeros(3))
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "dapo", "decoupled"])
 def test_extreme_logprob_mismatch_stays_finite(name):
     # A sampler logprob of -1000 (a broken engine) gives log ratio +999: exp overflows float32 unless it
     # is bounded, and then 0 * inf = NaN would poison the whole step even for A = 0 tokens.
@@ -358,11 +358,12 @@ def test_trained_counts_ignore_sequences_without_trained_tokens():
 # ---------------------------------------------------------------- gradient accumulation
 
 SEQ_LENGTHS = [3, 5, 2, 4]
-Sequence = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Sequence = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _toy_data() -> list[Sequence]:
-    """Four sequences of (features, labels, old logprobs, advantage per token, mask) for a linear model."""
+    """Four sequences of (features, labels, old logprobs, advantage per token, mask, token lags) for a
+    linear model. Each sequence mixes versions: its early tokens are older (lags ..., 2, 1, 0)."""
     g = torch.Generator().manual_seed(0)
     data = []
     for length in SEQ_LENGTHS:
@@ -372,12 +373,13 @@ def _toy_data() -> list[Sequence]:
         adv = torch.randn((), generator=g).expand(length)
         mask = (torch.rand(length, generator=g) > 0.2).float()
         mask[0] = 1.0  # every sequence is trained on, so each micro-batch has something to normalize
-        data.append((x, labels, old, adv, mask))
+        lags = torch.arange(length).flip(0) % 3
+        data.append((x, labels, old, adv, mask, lags))
     return data
 
 
 def _pack(data: list[Sequence], seqs: list[int]):
-    cols = [torch.cat([data[i][k] for i in seqs]) for k in range(5)]
+    cols = [torch.cat([data[i][k] for i in seqs]) for k in range(6)]
     seq_ids = torch.cat([torch.full((SEQ_LENGTHS[i],), n) for n, i in enumerate(seqs)])
     return *cols, seq_ids
 
@@ -392,14 +394,14 @@ def _accumulated(
     packed = [_pack(data, mb) for mb in micro_batches]
     counts = {}
     if global_counts:  # what the trainer does: sum trained_counts over every micro-batch of the step
-        per_mb = [trained_counts(p[4], p[5]) for p in packed]
+        per_mb = [trained_counts(p[4], p[6]) for p in packed]
         counts = {"num_sequences": sum(c[0] for c in per_mb), "num_tokens": sum(c[1] for c in per_mb)}
     total = 0.0
-    for x, labels, old, adv, mask, seq_ids in packed:
+    for x, labels, old, adv, mask, lags, seq_ids in packed:
         logits = model(x)
         new = token_logprobs(logits, labels)
         ent = token_entropy(logits)
-        loss, _ = rl_loss(new, old, adv, mask, cfg, seq_ids=seq_ids, entropy=ent, **counts)
+        loss, _ = rl_loss(new, old, adv, mask, cfg, seq_ids=seq_ids, entropy=ent, token_lags=lags, **counts)
         loss.backward()
         total += loss.item()
     return total, torch.cat([model.weight.grad.flatten(), model.bias.grad])
@@ -414,8 +416,21 @@ def _accumulated(
         AlgoConfig(name="ppo", entropy_coef=0.01),
         AlgoConfig(name="dapo", entropy_coef=0.01),
         AlgoConfig(name="dapo", entropy_coef=0.01, normalize="sequence_mean"),
+        AlgoConfig(name="decoupled", entropy_coef=0.01),
+        AlgoConfig(name="decoupled", normalize="sequence_mean", lag_correction="decay", lag_decay=0.7),
+        AlgoConfig(name="ppo", lag_correction="decay", lag_decay=0.7),
     ],
-    ids=["grpo", "grpo-sequence_mean", "grpo-tokens", "ppo", "dapo", "dapo-sequence_mean"],
+    ids=[
+        "grpo",
+        "grpo-sequence_mean",
+        "grpo-tokens",
+        "ppo",
+        "dapo",
+        "dapo-sequence_mean",
+        "decoupled",
+        "decoupled-sequence_mean-decay",
+        "ppo-decay",
+    ],
 )
 @pytest.mark.parametrize("split", [[[0], [1, 2, 3]], [[3, 0], [2], [1]]], ids=["1+3", "2+1+1"])
 def test_gradient_accumulation_with_global_counts_equals_one_big_batch(cfg, split):

@@ -25,6 +25,7 @@ from support.training import (
     with_versions,
 )
 
+from pipeline_rl.algo_config import AlgoConfig
 from pipeline_rl.launch.trainer_cmd import trainer_command
 from pipeline_rl.paths import CONF_DIR
 from pipeline_rl.preprocess.ops import group_to_training_samples
@@ -392,3 +393,56 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradient(tiny_model, t
     assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
     for name, g in plain.items():
         assert torch.allclose(g, ckpt[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_lag_decay_weighs_tokens_by_their_version_behind_the_step(tiny_model, tmp_path):
+    """algo.lag_correction=decay in the trainer: lag = (step - 1) - version per token, the same lag the
+    lag_* metrics report. The groups are sampled by version 0: trained at step 3 (lag 2) the policy loss is
+    lag_decay ** 2 times the uncorrected one; at step 1 (lag 0) it is the uncorrected one."""
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    cfg, comm, package = one_rank_package(tiny_model, tmp_path, groups=2, seed=7)
+
+    def step_metrics(algo: AlgoConfig, step: int) -> dict[str, float]:
+        strategy = DDPStrategy(cfg, comm, tiny_model)
+        strategy.optimizer_step = lambda: 0.0  # the loss is what is compared; the update would cost time
+        return train_step(strategy, package, algo, step=step, temperature=1.0, comm=comm).metrics
+
+    decay = AlgoConfig(lag_correction="decay", lag_decay=0.5)
+    plain, at_3, at_1 = step_metrics(AlgoConfig(), 3), step_metrics(decay, 3), step_metrics(decay, 1)
+    assert abs(plain["policy_loss"]) > 1e-4
+    assert (at_3["lag_mean"], at_1["lag_mean"]) == (2.0, 0.0)
+    assert at_3["policy_loss"] == pytest.approx(0.25 * plain["policy_loss"], rel=1e-5)
+    assert at_1["policy_loss"] == pytest.approx(plain["policy_loss"], rel=1e-6)
+
+
+def test_decoupled_trains_with_grpos_gradient_when_no_weight_reaches_the_cap(tiny_model, tmp_path):
+    """One optimizer step per batch makes the proximal policy the trainer's own weights: with sampler
+    logprobs from the same model (weights near 1, far below the cap) and the same normalization, decoupled
+    and grpo give the same gradient, and the clip never binds."""
+    from pipeline_rl.trainer.strategies.ddp import DDPStrategy
+
+    cfg, comm, package = one_rank_package(tiny_model, tmp_path, groups=2, seed=8)
+    grads, metrics = [], []
+    for algo in (AlgoConfig(name="decoupled"), AlgoConfig(normalize="tokens")):
+        strategy = DDPStrategy(cfg, comm, tiny_model)
+        strategy.optimizer_step = lambda: 0.0  # keep the gradients: compare them, not the update
+        metrics.append(train_step(strategy, package, algo, step=1, temperature=1.0, comm=comm).metrics)
+        grads.append({n: p.grad.clone() for n, p in strategy.module.named_parameters()})
+    assert (metrics[0]["clip_frac"], metrics[0]["behav_masked_frac"]) == (0.0, 0.0)
+    assert max(g.abs().max() for g in grads[1].values()) > 1e-4
+    for name, g in grads[1].items():
+        assert torch.allclose(grads[0][name], g, atol=1e-7, rtol=1e-5), name
+
+
+def test_mixed_version_tokens_counts_the_trained_tokens_of_answers_across_an_update():
+    import torch
+
+    from pipeline_rl.trainer.step import mixed_version_tokens
+
+    # Sequence 7: versions 3,3,4 (an update mid-answer); sequence 2: all 4; sequence 9: one token.
+    versions = torch.tensor([3, 3, 4, 4, 4, 5])
+    seq_ids = torch.tensor([7, 7, 7, 2, 2, 9])
+    assert mixed_version_tokens(versions, seq_ids) == 3
+    assert mixed_version_tokens(torch.tensor([1, 1, 1]), torch.tensor([0, 0, 1])) == 0
+    assert mixed_version_tokens(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)) == 0
