@@ -4,8 +4,11 @@
     python -m benchmarks lag --lags 0,2,8 --seeds 2   # fewer lags, two seeds
     python -m benchmarks lag --kv-after-update recompute --seeds 3   # one KV policy, three seeds
     python -m benchmarks lag --quick                  # tiny untrained model, lags 0 and 2, recompute, 30 s (smoke test)
+    python -m benchmarks lag --recipe longtail --lags 0,2,4,8 --seeds 3 --kv-after-update keep \
+        --override algo.name=decoupled --override algo.lag_correction=decay --override algo.lag_decay=0.9 \
+        --tag decoupled-decay                         # learning per sample under lag with the corrections
 
-Every run is a pipelined `pipeline-rl launch` of the demo recipe (pipeline_vs_sync.launch_command) with
+Every run is a pipelined `pipeline-rl launch` of the demo recipe (or `--recipe`) (pipeline_vs_sync.launch_command) with
 `actor.max_lag=L` and `inference.kv_after_update=K`; only those two change. The buffer is raised to
 what the lag allows (`actor.max_buffered_groups` = groups per step x (L+1), at least the recipe's), so
 the lag, not the buffer, is what binds. max_lag 0 is pipelined in name only: the actor may not start a
@@ -34,8 +37,7 @@ from benchmarks.common import (
 )
 from benchmarks.pipeline_vs_sync import (
     EVAL_EVERY_S,
-    TARGET,
-    THRESHOLDS,
+    LEVELS,
     launch_command,
     launch_run,
     measure_run,
@@ -73,7 +75,7 @@ def lag_overrides(recipe_overrides: list[str], lag: int, kv: str) -> tuple[str, 
 def run(ctx: BenchContext) -> dict:
     from pipeline_rl.demo.main import RECIPES
 
-    recipe = "arith"
+    recipe = ctx.options.get("recipe", "arith")
     if ctx.quick:
         from pipeline_rl.demo.tiny_model import build_tiny_model
 
@@ -100,10 +102,16 @@ def run(ctx: BenchContext) -> dict:
         cmd = launch_command(ctx, "pipeline", model, run_dir, wall_s, seed=i, extra=extra, recipe=recipe)
         launch_run(ctx, "pipeline", run_dir, wall_s, cmd)
         evaluate_run(run_dir)
-        return measure_run(run_dir)
+        return measure_run(run_dir, LEVELS[recipe])
 
-    results, failures = run_interleaved(ctx, list(configs), seeds, one_run, "lag")
-    return publish_lag(ctx, results, configs, seeds, wall_s, failures)
+    name = result_name(recipe, ctx.options.get("tag"))
+    results, failures = run_interleaved(ctx, list(configs), seeds, one_run, name)
+    return publish_lag(ctx, results, configs, seeds, wall_s, failures, recipe=recipe, name=name)
+
+
+def result_name(recipe: str, tag: str | None) -> str:
+    """lag, lag-<recipe>, lag-<recipe>-<tag>: one results file per study."""
+    return "-".join(["lag", *([recipe] if recipe != "arith" else []), *([tag] if tag else [])])
 
 
 def publish_lag(
@@ -113,26 +121,30 @@ def publish_lag(
     seeds: int,
     wall_s: int,
     failures: Sequence[str] = (),
+    recipe: str = "arith",
+    name: str = "lag",
 ) -> dict:
-    levels = [f"{level:.0%}" for level in THRESHOLDS]
-    target = f"{TARGET:.0%}"
+    levels = [f"{level:.0%}" for level in LEVELS[recipe]]
+    target = f"{LEVELS[recipe][-1]:.0%}"
 
-    def med(name: str, key: str):
-        return median_of(results[name], key)
+    def med(setting: str, key: str):
+        return median_of(results[setting], key)
 
     rows = []
-    for name, (lag, kv) in configs.items():
-        samples = med(name, "samples_to_target")
+    for setting, (lag, kv) in configs.items():
+        samples = med(setting, "samples_to_target")
         rows.append(
             [
                 lag,
                 kv,
-                *(time_to_text(results[name], level) for level in levels),
+                *(time_to_text(results[setting], level) for level in levels),
                 f"{samples:.0f}" if samples is not None else "not reached",
-                f"{med(name, 'accuracy_after'):.1%}" if med(name, "accuracy_after") is not None else "-",
-                med(name, "samples_per_s"),
-                med(name, "lag_mean"),
-                med(name, "too_stale"),
+                f"{med(setting, 'accuracy_after'):.1%}"
+                if med(setting, "accuracy_after") is not None
+                else "-",
+                med(setting, "samples_per_s"),
+                med(setting, "lag_mean"),
+                med(setting, "too_stale"),
             ]
         )
     table = markdown_table(
@@ -150,7 +162,17 @@ def publish_lag(
     )
     # What the study is for: does allowing lag cost learning per sample, and does it buy time?
     by_lag = {configs[n][0]: n for n in configs if configs[n][1] == "recompute"}
+    by_lag = by_lag or {configs[n][0]: n for n in configs}  # one policy run: its own
     goals = []
+    if 0 in by_lag and 4 in by_lag:
+        s0, s4 = med(by_lag[0], "samples_to_target"), med(by_lag[4], "samples_to_target")
+        goal = f"at max_lag 4, samples to {target} within 1.1x of max_lag 0"
+        if s0 is None or s4 is None:
+            goals.append(
+                goal_line(goal, None, f"max_lag 0: {s0}, max_lag 4: {s4} samples (None: not reached).")
+            )
+        else:
+            goals.append(goal_line(goal, s4 <= 1.1 * s0, f"{s4:.0f} / {s0:.0f} = {s4 / s0:.2f}x."))
     if 0 in by_lag and len(by_lag) > 1:
         t0 = med(by_lag[0], "time_to_target_s")
         best = min(
@@ -158,20 +180,22 @@ def publish_lag(
             key=lambda n: med(n, "time_to_target_s"),
             default=None,
         )
-        name = f"some max_lag > 0 reaches {target} sooner than max_lag 0 (recompute)"
+        sooner = f"some max_lag > 0 reaches {target} sooner than max_lag 0 (recompute)"
         if best is None:
-            goals.append(goal_line(name, None if t0 is None else False, f"no max_lag > 0 reached {target}."))
+            goals.append(
+                goal_line(sooner, None if t0 is None else False, f"no max_lag > 0 reached {target}.")
+            )
         elif t0 is None:
             goals.append(
                 goal_line(
-                    name, True, f"{best} did ({med(best, 'time_to_target_s'):.0f} s); max_lag 0 did not."
+                    sooner, True, f"{best} did ({med(best, 'time_to_target_s'):.0f} s); max_lag 0 did not."
                 )
             )
         else:
             tb = med(best, "time_to_target_s")
-            goals.append(goal_line(name, tb < t0, f"{best} {tb:.0f} s vs lag0-recompute {t0:.0f} s."))
+            goals.append(goal_line(sooner, tb < t0, f"{best} {tb:.0f} s vs lag0-recompute {t0:.0f} s."))
     intro = (
-        f"Pipelined runs of the demo recipe on the warmed-up demo model, {seeds_text(ctx, seeds)} per setting, "
+        f"Pipelined runs of the `{recipe}` recipe on its warmed-up model, {seeds_text(ctx, seeds)} per setting, "
         f"{wall_s} s each, the settings rotating; only `actor.max_lag` and `inference.kv_after_update` "
         "change (and the buffer, sized to the lag: benchmarks/lag.py). Seconds from the run's first "
         f"step, and samples trained into the evaluated weights, until greedy held-out accuracy (100 "
@@ -181,12 +205,12 @@ def publish_lag(
         + failures_note(failures)
     )
     images = [
-        plot_accuracy(ctx, results, "lag-seconds"),
-        plot_accuracy(ctx, results, "lag-samples", curve="curve_samples", xlabel="samples trained"),
+        plot_accuracy(ctx, results, f"{name}-seconds"),
+        plot_accuracy(ctx, results, f"{name}-samples", curve="curve_samples", xlabel="samples trained"),
     ]
-    publish(
-        ctx,
-        "lag",
-        section(ctx, "Lag study: max_lag and the KV policy", intro, [table], goals, [i for i in images if i]),
+    overrides = " ".join(ctx.options.get("overrides", ()))
+    title = "Lag study: max_lag and the KV policy" + (
+        f" ({recipe}{', ' + overrides if overrides else ''})" if name != "lag" else ""
     )
+    publish(ctx, name, section(ctx, title, intro, [table], goals, [i for i in images if i]))
     return results

@@ -39,6 +39,7 @@ ORDER = (
     "ray-cost",
     "lora-cost",
     "lora-demo",
+    "rollout-strategies",
     "soak",
 )
 

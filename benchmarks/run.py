@@ -19,6 +19,7 @@ go under artifacts/bench/.
     python -m benchmarks ray-cost             # a run on a one-node Ray cluster vs the local launcher; Ray's idle cost
     python -m benchmarks lora-cost            # LoRA adapter push vs full push vs vLLM's reload; tokens/s under pushes
     python -m benchmarks lora-demo            # the demo task with a LoRA adapter vs full fine-tuning, 3 seeds
+    python -m benchmarks rollout-strategies   # in-flight, drain-then-swap, sync, sync + partial rollouts; long tail
     python -m benchmarks soak                 # 30 min under >= 20 random faults: nothing lost, nothing twice
     python -m benchmarks demo                 # `make demo` in a fresh clone of this checkout, added to the recorded runs
     python -m benchmarks all                  # every one, in that order, sharing servers
@@ -142,6 +143,12 @@ def _lora_demo(ctx: BenchContext) -> dict:
     return lora_demo.run(ctx)
 
 
+def _rollout_strategies(ctx: BenchContext) -> dict:
+    from benchmarks import rollout_strategies
+
+    return rollout_strategies.run(ctx)
+
+
 def _soak(ctx: BenchContext) -> dict:
     from benchmarks import soak
 
@@ -171,6 +178,7 @@ BENCHMARKS: dict[str, Callable[[BenchContext], dict]] = {
     "ray-cost": _ray_cost,
     "lora-cost": _lora_cost,
     "lora-demo": _lora_demo,
+    "rollout-strategies": _rollout_strategies,
     "soak": _soak,
     "demo": _demo,
 }
@@ -261,9 +269,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--recipe",
         default=None,
-        choices=["arith", "remainder"],
-        help="pipeline-vs-sync, warmup-seeds: the demo recipe to run (default arith; remainder: long answers)",
+        choices=["arith", "remainder", "longtail"],
+        help="pipeline-vs-sync, warmup-seeds, lag: the demo recipe to run (default arith; remainder: long "
+        "answers; longtail: long-tailed answer lengths)",
     )
+    g.add_argument(
+        "--recipes",
+        default=None,
+        help="rollout-strategies: the recipes to run, e.g. longtail (default longtail,arith)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="rollout-strategies: skip the runs an earlier, stopped one finished",
+    )
+    g.add_argument("--tag", default=None, help="lag: a name for this study's results (e.g. with --override)")
     g.add_argument(
         "--systems",
         default=None,
@@ -340,6 +360,9 @@ def _options(args: argparse.Namespace) -> dict:
         "first_seed": args.first_seed,
         "run_s": args.run_s,
         "recipe": args.recipe,
+        "recipes": args.recipes.split(",") if args.recipes else None,
+        "resume": args.resume or None,
+        "tag": args.tag,
         "systems": args.systems.split(",") if args.systems else None,
         "lags": ints(args.lags),
         "warmup_steps": args.warmup_steps,

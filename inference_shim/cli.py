@@ -113,6 +113,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="recompute: drop KV computed by old weights after an update; keep: in-flight requests keep it",
     )
     p.add_argument(
+        "--update-mode",
+        choices=["inflight", "drain"],
+        default="inflight",
+        help="inflight: an update lands between two decode steps, requests in flight go on with the new "
+        "weights; drain: stop admitting (503 draining), let the requests in flight end on the old weights, "
+        "then apply, so no response mixes versions; the servers of one update drain one at a time "
+        '(docs/engines.md, "Drain-then-swap"; not the sglang backend, which cannot stage an update)',
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="--update-mode drain: the longest the server waits for its turn, then for its requests in "
+        "flight, before it ends those still running (503 drain_timeout) and applies; both waits also end "
+        "by 3/4 of the update's timeout_s",
+    )
+    p.add_argument(
         "--apply-weights",
         choices=["prepared", "reload"],
         default=None,
@@ -207,6 +224,13 @@ def engine_options(args: argparse.Namespace) -> dict:
         }
     if args.capture_dir is not None:
         raise SystemExit("--capture-dir needs --backend capture")
+    if args.update_mode == "drain" and args.backend == "sglang":
+        # SGLang receives an update inside its own scheduler, paused, as the trainer broadcasts it: a
+        # drain there would hold every server of the group in the broadcast.
+        raise SystemExit(
+            "--update-mode drain: the sglang backend cannot stage an update while it finishes its "
+            "requests; use --update-mode inflight (or the vllm backend)"
+        )
     tools = {}
     if args.apply_weights is not None:
         if args.backend != "vllm":
@@ -295,6 +319,8 @@ def run(args: argparse.Namespace) -> None:
             limits=limits_of(args),
             log_level=args.log_level,
             await_weights=args.await_weights,
+            update_mode=args.update_mode,
+            drain_timeout_s=args.drain_timeout_s,
         )
     except ValueError as e:  # pydantic's message says which flag to fix
         raise SystemExit(f"pipeline-rl serve: {e}") from None

@@ -38,14 +38,27 @@ from inference_shim.protocol import (
 
 
 class ShimError(RuntimeError):
-    """A server answered with an error status; `status` and `error` come from its ErrorResponse."""
+    """A server answered with an error status; `status` and `error` come from its ErrorResponse,
+    `retry_after` (seconds) from its Retry-After header (503 overloaded, draining, drain_timeout), None
+    without one."""
 
-    def __init__(self, url: str, status: int, error: str, detail: str | None) -> None:
+    def __init__(
+        self, url: str, status: int, error: str, detail: str | None, retry_after: float | None = None
+    ) -> None:
         super().__init__(f"{url} answered {status} {error}: {detail}")
         self.url = url
         self.status = status
         self.error = error
         self.detail = detail
+        self.retry_after = retry_after
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The Retry-After header in seconds; None when absent or an HTTP date (no server of ours sends one)."""
+    try:
+        return max(0.0, float(response.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None
 
 
 def _raise_for(response: httpx.Response) -> Any:
@@ -55,7 +68,7 @@ def _raise_for(response: httpx.Response) -> Any:
             error, detail = body.get("error", "error"), body.get("detail")
         except ValueError:
             error, detail = "error", response.text[:500]
-        raise ShimError(str(response.url), response.status_code, str(error), detail)
+        raise ShimError(str(response.url), response.status_code, str(error), detail, _retry_after(response))
     return response.json()
 
 

@@ -14,8 +14,9 @@ Weight-update ordering (who does what, in which order):
      (every store value is signed with the server's token: sign_value / verify_value).
      On "go" it broadcasts the buckets planned by plan_buckets(); servers receive into staging buffers
      while they keep generating.
-  4. each server applies the staged tensors (a short pause), resets its prefix cache, publishes the new
-     version, and writes result_key(update_id, server_id) = UpdateResult JSON. The trainer waits for every
+  4. each server applies the staged tensors (a short pause; with update_mode drain, first it waits for its
+     turn among the group's servers, drain_ticket_key / drain_done_key, and lets its requests in flight
+     end on the old weights), resets its prefix cache, publishes the new version, and writes result_key(update_id, server_id) = UpdateResult JSON. The trainer waits for every
      result key (deadline) and raises naming any server that failed or stayed silent.
 """
 
@@ -32,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # docs/contract.md, "Changes", says what each version changed. 2.0: store values are signed (a 1.0
 # trainer's unsigned ones read as an abort), so a weight update must say it signs them (store_signing).
 # 2.1: adapter updates (WeightUpdateRequest.adapter) and /capabilities lora; a 2.0 peer sends and
-# reads neither, so nothing it does changes.
-CONTRACT_VERSION = "2.1"
+# reads neither, so nothing it does changes. 2.2: drain-then-swap servers (/capabilities update_mode, the
+# drain keys, 503 draining / drain_timeout); a 2.1 trainer pushes to them unchanged.
+CONTRACT_VERSION = "2.2"
 STORE_SIGNING = "hmac-sha256"
 
 # Bytes per element of every dtype the weight transfer accepts (the torch dtype name without "torch.").
@@ -210,6 +212,11 @@ class UpdateResult(BaseModel):
     apply_seconds: float = 0.0
     pause_seconds: float = 0.0
     total_bytes: int = 0
+    # update_mode drain (docs/engines.md, "Drain-then-swap"): how long the server waited for its turn
+    # (admitting), then drained (admitting nothing), and how many requests the drain's bound ended.
+    turn_wait_seconds: float = 0.0
+    drain_seconds: float = 0.0
+    cut_requests: int = 0
 
 
 def decision_key(group_name: str, update_id: str) -> str:
@@ -222,6 +229,18 @@ def received_key(group_name: str, update_id: str, rank: int) -> str:
 
 def result_key(group_name: str, update_id: str, server_id: str) -> str:
     return f"{group_name}/update/{update_id}/result/{server_id}"
+
+
+def drain_ticket_key(group_name: str, update_id: str) -> str:
+    """A counter (store.add, so an unsigned integer): drain-mode servers of one update take turns in the
+    order of the tickets they draw from it."""
+    return f"{group_name}/update/{update_id}/drain/tickets"
+
+
+def drain_done_key(group_name: str, update_id: str, ticket: int) -> str:
+    """Set (signed, payload: the server_id) by the server holding `ticket` once it has applied (or given
+    up): the holder of the next ticket may drain."""
+    return f"{group_name}/update/{update_id}/drain/done/{ticket}"
 
 
 # Store values are authenticated (docs/contract.md § Store values): anyone who can reach the trainer's
@@ -353,6 +372,17 @@ class Capabilities(BaseModel):
         "weights only (a LoRA trainer then pushes the adapter merged into full weights).",
     )
     lora_max_rank: int | None = Field(default=None, description="Largest adapter rank this server takes.")
+    update_mode: Literal["inflight", "drain"] = Field(
+        default="inflight",
+        description="inflight: an update lands between two decode steps and requests in flight go on with "
+        "the new weights. drain: the server stops admitting (503 draining), lets the requests in flight "
+        "end on the old weights, then applies; no response mixes two versions.",
+    )
+    drain_timeout_s: float | None = Field(
+        default=None,
+        description="update_mode drain: the longest it waits for its turn, and then for its requests in "
+        "flight, before it ends those still running (503 drain_timeout); None in inflight mode.",
+    )
 
 
 class UpdateTimings(BaseModel):
@@ -363,6 +393,12 @@ class UpdateTimings(BaseModel):
     apply_seconds: float
     pause_seconds: float
     finished_at: float = Field(default_factory=time.time)
+    # update_mode drain: when the server stopped admitting (wall clock; it admits again at finished_at),
+    # and UpdateResult's drain figures. None / 0 in inflight mode.
+    drain_started_at: float | None = None
+    turn_wait_seconds: float = 0.0
+    drain_seconds: float = 0.0
+    cut_requests: int = 0
 
 
 class GroupState(BaseModel):
@@ -417,6 +453,11 @@ class DebugState(BaseModel):
     awaiting_weights: bool = False
     # Tokens whose KV an update dropped (kv_after_update=recompute) and the engine computes again.
     reprefilled_tokens: int = 0
+    # update_mode drain: waiting for this server's turn to drain (still admitting), and draining (new
+    # generation requests answer 503 draining until the update is applied).
+    update_mode: Literal["inflight", "drain"] = "inflight"
+    awaiting_drain_turn: bool = False
+    draining: bool = False
 
 
 class ErrorResponse(BaseModel):

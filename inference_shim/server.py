@@ -62,6 +62,16 @@ class ServeConfig(BaseModel):
     await_weights: bool = Field(
         default=False, description="Answer 503 awaiting_weights on generation until the first update."
     )
+    update_mode: Literal["inflight", "drain"] = Field(
+        default="inflight",
+        description="inflight: updates land between two decode steps; drain: finish the requests in "
+        "flight on the old weights first (docs/engines.md, Drain-then-swap).",
+    )
+    drain_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Drain mode: the longest wait for the turn, then for the requests in flight.",
+    )
 
     @model_validator(mode="after")
     def _exposed_needs_token(self) -> ServeConfig:
@@ -146,7 +156,9 @@ def create_app(
 
     @app.exception_handler(ContractError)
     async def _contract_error(_: Request, e: ContractError) -> JSONResponse:
-        return _error(e.status, e.error, e.detail)
+        response = _error(e.status, e.error, e.detail)
+        response.headers.update(e.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _server_fault(_: Request, e: Exception) -> JSONResponse:
@@ -230,6 +242,7 @@ def serve(cfg: ServeConfig, engine_options: dict) -> None:
     metrics = ShimMetrics()
     backend = make_backend(cfg, engine_options, metrics)
     backend.awaiting_weights = cfg.await_weights
+    backend.update_mode, backend.drain_timeout_s = cfg.update_mode, cfg.drain_timeout_s
     app = create_app(backend, metrics, cfg.token, cfg.limits, cfg.api_key, cfg.exposed)
     config = uvicorn.Config(app, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

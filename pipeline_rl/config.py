@@ -67,6 +67,20 @@ class InferenceConfig(_Section):
         "weights. Unset: keep when mode=pipeline (docs/decisions.md, 'KV after an update'), recompute when mode=sync, where no "
         "request is in flight at an update.",
     )
+    update_mode: Literal["inflight", "drain"] = Field(
+        "inflight",
+        description="How a server takes an update: inflight (applied between two decode steps; running "
+        "requests continue on the new weights) or drain (received into staging while the server finishes "
+        "its running requests on the old weights, then applied: no response mixes versions; docs/engines.md, "
+        "'Drain-then-swap').",
+    )
+    drain_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="update_mode=drain: the longest a server waits for its turn to drain (servers drain one at "
+        "a time), and then for its running requests, before it ends the rest (their clients retry "
+        "elsewhere) and applies.",
+    )
     startup_timeout_s: float = Field(300.0, gt=0, description="Deadline for a server to become healthy.")
     weight_transport: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU, nccl on GPU.")
 
@@ -110,6 +124,13 @@ class ActorConfig(_Section):
     )
     trainer_wait_deadline_s: float = Field(
         900.0, gt=0, description="Longest lag/buffer wait without trainer progress before the actor exits."
+    )
+    round_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="mode=sync only: partial rollouts. Each round generates at most this many tokens per "
+        "response; unfinished responses are carried to the next round and continued from their tokens with "
+        "the new weights (docs/actor.md, 'Partial rollouts'). Unset: every round runs its answers to the end.",
     )
 
 
@@ -359,6 +380,17 @@ class RunConfig(_Section):
                 "trainer.push_settle=background needs mode=pipeline: a sync round must generate with the "
                 "new weights, so its push waits for them (set push_settle=wait or leave it unset)"
             )
+        rt = self.actor.round_tokens
+        if rt is not None and self.mode != "sync":
+            raise ValueError(
+                "actor.round_tokens (partial rollouts) needs mode=sync: a pipelined run never waits for a "
+                "round's longest answer, its updates land while answers run (unset round_tokens)"
+            )
+        if rt is not None and rt >= self.actor.max_tokens:
+            raise ValueError(
+                f"actor.round_tokens ({rt}) must be below actor.max_tokens ({self.actor.max_tokens}): with "
+                "it every answer fits one round, so nothing is ever carried (lower it or unset it)"
+            )
         if self.platform == "cpu" and self.inference.weight_transport == "nccl":
             raise ValueError(
                 "NCCL needs GPUs: with platform=cpu use inference.weight_transport=gloo (the default)"
@@ -366,6 +398,11 @@ class RunConfig(_Section):
         if self.inference.backend == "sglang" and self.inference.weight_transport == "gloo":
             raise ValueError(
                 "inference=sglang runs on NVIDIA GPUs only: add platform=gpu (NCCL weight transport)"
+            )
+        if self.inference.update_mode == "drain" and self.inference.backend == "sglang":
+            raise ValueError(
+                "inference.update_mode=drain needs inference=vllm or torch: SGLang receives an update inside "
+                "its scheduler during the broadcast, so a drain would hold every server in it"
             )
         if self.trainer.lora is not None and self.inference.backend == "sglang":
             raise ValueError(

@@ -106,7 +106,7 @@ def test_every_benchmark_runs_quick_and_writes_its_result(tmp_path: Path) -> Non
 def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> None:
     assert _expand(["shim", "weight-sync", "shim"]) == ["weight-sync", "shim"]
     everything = _expand(["all"])
-    assert everything[:2] == ["weight-sync", "inflight"] and everything[-15:] == [
+    assert everything[:2] == ["weight-sync", "inflight"] and everything[-16:] == [
         "streams",
         "shim",
         "multihost",
@@ -120,6 +120,7 @@ def test_names_run_in_the_issue_order_and_all_means_every_available_one() -> Non
         "ray-cost",
         "lora-cost",
         "lora-demo",
+        "rollout-strategies",
         "soak",
         "demo",
     ]

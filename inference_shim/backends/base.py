@@ -27,6 +27,11 @@ State every backend keeps (set once, in Backend.__init__):
   applies_between_steps
                    the engine applies an update in one call that runs between two of its decode steps
                    (vLLM: inference_shim/vllm_engine_core.py); set by start() where the engine offers it
+  update_mode, drain_timeout_s
+                   --update-mode inflight (default: requests in flight go on with the new weights) or
+                   drain (below); set by server.serve
+  draining         drain mode, from the drain's start until the update is applied or has failed: new
+                   generation requests answer 503 draining (admit_request)
 
 The lifecycle (template methods here; engines fill in the hooks named in brackets):
   init_process_group     connect the shim's store client (proves the trainer is there), then
@@ -38,6 +43,12 @@ The lifecycle (template methods here; engines fill in the hooks named in bracket
                            -> [_pause] -> [_apply] -> [_set_version_label] and [_reset_cache] (sent
                            together) -> [_resume]
                            -> publish the version -> write the result key for the trainer.
+                         With update_mode drain, between the decision check and the pause: wait for this
+                         server's turn among the update's servers (drain.DrainTurn), stop admitting, wait
+                         until nothing is in flight; past the drain's bound, end what still runs
+                         ([_abort_in_flight]; their clients get 503 drain_timeout); re-read the decision;
+                         then apply as above, admit again, hand the turn on. The drain counts inside the
+                         update's deadline and leaves DRAIN_APPLY_SHARE of it for applying.
                          Where applies_between_steps: [_apply_between_steps] instead of pause -> ...
                          -> resume (apply, label and KV reset in one engine call between two steps).
                          Every step from the pause to the resume shares one deadline (timeout_s), so a
@@ -55,9 +66,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from inference_shim.backends.common import ChoiceDelta, ContractError, SamplingRequest, validate_update
+from inference_shim.backends.drain import DrainTurn
 from inference_shim.backends.join import JoinPhase, join_failure_detail, join_phase, short, store_timeout
 from inference_shim.faults import fault_point
 from inference_shim.protocol import (
@@ -137,7 +149,17 @@ class Backend(abc.ABC):
         self.updates_applied = 0
         self.updates_failed = 0
         self.reprefilled_tokens = 0
+        self._idle = asyncio.Event()  # set while nothing is in flight (the in_flight setter keeps it)
         self.in_flight = 0
+        # --update-mode and --drain-timeout-s (server.serve sets them); docs/engines.md "Drain-then-swap".
+        self.update_mode: Literal["inflight", "drain"] = "inflight"
+        self.drain_timeout_s = 60.0
+        self.awaiting_drain_turn = False
+        self.draining = False
+        # Bumped when a drain's bound ends the requests still in flight: a request admitted under an
+        # older count gets none of its tokens out after that (check_can_generate(ticket)).
+        self._drain_cuts = 0
+        self._drain_started_at: float | None = None
         # Known once the engine runs (start() sets what it finds): the rest of /capabilities.
         self.engine_version = "unknown"
         self.workers = 1  # weight-group ranks this server's engine takes
@@ -147,6 +169,19 @@ class Backend(abc.ABC):
         self.lora_max_rank: int | None = None
         self._update_lock = asyncio.Lock()
         self._update_task: asyncio.Task | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests inside the engine now (each backend's generate() counts its own)."""
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self._in_flight = value
+        if value == 0:
+            self._idle.set()
+        else:
+            self._idle.clear()
 
     # ------------------------------------------------------------------ engine-specific
     @abc.abstractmethod
@@ -326,11 +361,19 @@ class Backend(abc.ABC):
         """The background half of an update; always ends by writing the result key the trainer waits on."""
         result = UpdateResult(server_id=group.server_id, version=req.version, ok=False)
         paused = applying = False
+        turn: DrainTurn | None = None
+        self._drain_started_at = None
         try:
             await self._wait_received(req, result)
             fault_point("server.received")  # chaos tests: the server dies between receive and apply
             await self._check_not_cancelled(req, group, store)
             deadline = time.monotonic() + req.timeout_s  # the contract's "then again for applying"
+            if self.update_mode == "drain":
+                if store is not None:  # the update's servers take turns (drain.py)
+                    turn = DrainTurn(store, self.token, group.group_name, req.update_id, group.server_id)
+                await self._drain(req, turn, deadline, result)
+                # A trainer that gave up on this update during a long drain wrote "cancel" meanwhile.
+                await self._check_not_cancelled(req, group, store)
             if self.applies_between_steps:
                 # Decoding goes on around this call (self.paused stays false); a failure leaves the engine
                 # paused with weights that may be mixed: recover as below.
@@ -365,10 +408,63 @@ class Backend(abc.ABC):
             await self._recover(paused, partial, req.timeout_s)
         finally:
             self.pending = None
+            self.awaiting_drain_turn = self.draining = False  # admitting again, new weights or old
+            if turn is not None:
+                try:
+                    await turn.release()
+                except Exception:  # the next server then waits out its turn's deadline
+                    log.exception("handing the drain turn on failed")
             if store is not None:
                 key = result_key(group.group_name, req.update_id, group.server_id)
                 value = sign_value(self.token, key, result.model_dump_json())
                 await asyncio.to_thread(store.set, key, value)
+
+    async def _drain(
+        self, req: WeightUpdateRequest, turn: DrainTurn | None, deadline: float, result: UpdateResult
+    ) -> None:
+        """update_mode drain, before the apply: wait for this server's turn (admitting meanwhile), stop
+        admitting, and wait until no request is in flight, so that none of them decodes a token with the
+        new weights. Each wait is bounded by drain_timeout_s, and both end by the time only
+        DRAIN_APPLY_SHARE of the update's deadline is left: past that, the requests still running are
+        ended (their clients get 503 drain_timeout, retryable elsewhere) and the update is applied, so
+        a long answer never makes the trainer give up on this server."""
+        latest = deadline - DRAIN_APPLY_SHARE * req.timeout_s  # the apply keeps the rest
+        started = time.monotonic()
+        if turn is not None:
+            self.awaiting_drain_turn = True
+            try:
+                await turn.take(min(started + self.drain_timeout_s, latest))
+            except Exception:  # the store is what failed: the result key will say so, if it can
+                log.exception("taking a drain turn failed; draining now")
+            finally:
+                self.awaiting_drain_turn = False
+        result.turn_wait_seconds = time.monotonic() - started
+        self.draining = True
+        self._drain_started_at = time.time()
+        drain_start = time.monotonic()
+        until = min(drain_start + self.drain_timeout_s, latest)
+        try:
+            if self.in_flight:  # (wait_for with no time left raises even when the event is set)
+                await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, until - drain_start))
+        except TimeoutError:
+            result.cut_requests = self.in_flight
+            log.warning(
+                "drain for version %d: %d request(s) still running after %.1f s; ending them (503 "
+                "drain_timeout) and applying",
+                req.version,
+                self.in_flight,
+                time.monotonic() - drain_start,
+            )
+            self._drain_cuts += 1  # from here on none of their tokens reaches a client
+            try:  # frees the engine of them; bounded, and optional: the count above already holds
+                await _within(
+                    min(deadline, time.monotonic() + RECOVERY_STEP_S),
+                    "ending the requests still running after the drain",
+                    self._abort_in_flight(),
+                )
+            except Exception:
+                log.exception("ending the requests still running after a drain failed")
+        result.drain_seconds = time.monotonic() - drain_start
 
     async def _check_not_cancelled(self, req: WeightUpdateRequest, group: GroupState, store: Any) -> None:
         """Re-read the trainer's decision once every bucket is here: a trainer that gave up on this
@@ -427,6 +523,10 @@ class Backend(abc.ABC):
             prepare_seconds=result.prepare_seconds,
             apply_seconds=result.apply_seconds,
             pause_seconds=result.pause_seconds,
+            drain_started_at=self._drain_started_at,
+            turn_wait_seconds=result.turn_wait_seconds,
+            drain_seconds=result.drain_seconds,
+            cut_requests=result.cut_requests,
         )
         self.metrics.record_update(result)
 
@@ -447,10 +547,39 @@ class Backend(abc.ABC):
             )
 
     # ------------------------------------------------------------------ generation guards
-    def check_can_generate(self) -> None:
+    def admit_request(self) -> int:
+        """A generation request may start now, or 503: check_can_generate, and draining (drain mode:
+        try another server, or this one after Retry-After). Returns the request's ticket, which each of
+        its outputs is checked with (check_can_generate(ticket)). The route calls it once before its
+        tokenization and again right before the engine takes the request, with no await between that
+        call and the engine's in_flight count, so a drain that began meanwhile still counts it or
+        refuses it."""
+        self.check_can_generate()
+        if self.draining:
+            raise ContractError(
+                503,
+                "draining",
+                "this server is finishing its requests in flight before it applies a weight update "
+                "(--update-mode drain): send this request to another server, or here after Retry-After",
+                headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+            )
+        return self._drain_cuts
+
+    def check_can_generate(self, ticket: int | None = None) -> None:
         """Raise 503 while this server must not generate: its weights may be a mix of two versions
         (weights_incomplete) or its engine may be stuck paused. Called before a request starts and on
-        every engine output, so not even a request in flight across the failure gets such a token."""
+        every engine output, so not even a request in flight across the failure gets such a token.
+        With the request's `ticket` (admit_request), also 503 drain_timeout once a drain's bound ended
+        the requests admitted before it: nothing computed after that cut reaches their clients."""
+        if ticket is not None and ticket != self._drain_cuts:
+            raise ContractError(
+                503,
+                "drain_timeout",
+                f"this request was still running {self.drain_timeout_s:g} s (--drain-timeout-s) into the "
+                "server's drain for a weight update, so it was ended unanswered: retry it, on another "
+                "server or here (the update is being applied)",
+                headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+            )
         if self.unhealthy:
             raise ContractError(503, self.unhealthy_error, self.unhealthy)
         if self.awaiting_weights:
@@ -503,6 +632,8 @@ class Backend(abc.ABC):
             structured_output=self.structured_output,
             lora="in_memory" if self.lora_max_rank else "none",
             lora_max_rank=self.lora_max_rank,
+            update_mode=self.update_mode,
+            drain_timeout_s=self.drain_timeout_s if self.update_mode == "drain" else None,
         )
 
     def health_now(self) -> HealthResponse:
@@ -540,6 +671,9 @@ class Backend(abc.ABC):
             updates_failed=self.updates_failed,
             awaiting_weights=self.awaiting_weights,
             reprefilled_tokens=self.reprefilled_tokens,
+            update_mode=self.update_mode,
+            awaiting_drain_turn=self.awaiting_drain_turn,
+            draining=self.draining,
         )
 
     def chat_prompt_ids(
@@ -576,6 +710,12 @@ class Backend(abc.ABC):
 
 # Deadline of each recovery step after a failed update (abort in-flight requests, resume, discard).
 RECOVERY_STEP_S = 30.0
+# Drain mode: the share of an update's timeout_s that a drain (turn and wait) leaves for applying, so
+# that the server answers the trainer within timeout_s however long its requests run.
+DRAIN_APPLY_SHARE = 0.25
+# Retry-After of a 503 draining / drain_timeout: a drain usually lasts as long as the longest answer in
+# flight, so the client asks again soon (a router sends it elsewhere meanwhile).
+DRAIN_RETRY_AFTER_S = 1
 
 
 class StepTimeout(TimeoutError):

@@ -21,11 +21,14 @@ from inference_shim.tool_calls import OutputConstraint
 class ContractError(Exception):
     """An error the client caused or must act on; the app turns it into `status` + ErrorResponse."""
 
-    def __init__(self, status: int, error: str, detail: str | None = None) -> None:
+    def __init__(
+        self, status: int, error: str, detail: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(error if detail is None else f"{error}: {detail}")
         self.status = status
         self.error = error
         self.detail = detail
+        self.headers = headers  # sent with the answer, e.g. Retry-After on a 503
 
 
 @dataclass

@@ -46,9 +46,9 @@ def generation_router(backend: Backend, limits: Limits, tokenize_pool: ThreadPoo
 
     def admit(req: ChatCompletionRequest | CompletionRequest) -> None:
         """Refuse, before any tokenization: a request beyond the limits (400) or a server that must not
-        generate now (503, e.g. weights_incomplete)."""
+        generate now (503, e.g. weights_incomplete, draining)."""
         check_generation(req, limits)
-        backend.check_can_generate()
+        backend.admit_request()
 
     async def off_loop(fn, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
@@ -101,15 +101,15 @@ def generation_router(backend: Backend, limits: Limits, tokenize_pool: ThreadPoo
         ]
         want_logprobs = req.logprobs
         token_text = backend.token_text
+        ticket = backend.admit_request()  # again: a drain may have begun while the prompt was rendered
         if not req.stream:
-            async for choices in backend.generate(prompt_ids, params, stream=False):
-                backend.check_can_generate()  # an update failed mid-apply meanwhile: 503, not its tokens
-                return _json(
-                    chat_response(
-                        model_name(), prompt_ids, choices, want_logprobs, token_text, readers.__getitem__
-                    )
+            choices = await _whole(backend, backend.generate(prompt_ids, params, stream=False), ticket)
+            return _json(
+                chat_response(
+                    model_name(), prompt_ids, choices, want_logprobs, token_text, readers.__getitem__
                 )
-        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True))
+            )
+        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True), ticket)
         first = await _first_or_error(generator)  # errors before streaming starts become proper 4xx
 
         async def events():
@@ -146,13 +146,13 @@ def generation_router(backend: Backend, limits: Limits, tokenize_pool: ThreadPoo
         if not prompt_ids:
             raise ContractError(400, "empty_prompt", "the prompt has no tokens")
         params = _sampling(req, req.logprobs or 0, req.max_tokens or 16)
+        ticket = backend.admit_request()
         if not req.stream:
-            async for choices in backend.generate(prompt_ids, params, stream=False):
-                backend.check_can_generate()
-                return _json(
-                    completion_response(model_name(), prompt_ids, choices, req.logprobs, backend.token_text)
-                )
-        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True))
+            choices = await _whole(backend, backend.generate(prompt_ids, params, stream=False), ticket)
+            return _json(
+                completion_response(model_name(), prompt_ids, choices, req.logprobs, backend.token_text)
+            )
+        generator = _guarded(backend, backend.generate(prompt_ids, params, stream=True), ticket)
         first = await _first_or_error(generator)
 
         async def events():
@@ -233,15 +233,35 @@ def _render_chat(
         raise ContractError(400, "invalid_messages", f"the model's chat template refused them: {e}") from e
 
 
-async def _guarded(backend: Backend, generator):
-    """A stream's batches, each checked first: once an update failed mid-apply (weights_incomplete), not
-    one more token goes out; the stream ends with the in-band error instead. Every backend, one place."""
+async def _guarded(backend: Backend, generator, ticket: int):
+    """A request's batches, each checked first: once an update failed mid-apply (weights_incomplete) or
+    a drain's bound ended the request (drain_timeout), not one more token goes out; a stream ends with
+    the in-band error instead. Every backend, one place. The generator must be started (its first
+    anext) right after admit_request gave `ticket`, with no await between: the engine then counts the
+    request in flight before a drain can look."""
     try:
         async for batch in generator:
-            backend.check_can_generate()
+            backend.check_can_generate(ticket)
             yield batch
+    except ContractError:
+        # An engine that ends its requests with an error of its own (the torch engine's abort) says
+        # why from the server's view: a drain's cut, or the weights' state.
+        backend.check_can_generate(ticket)
+        raise
     finally:
         await generator.aclose()  # the engine's request ends now, not when the garbage collector runs
+
+
+async def _whole(backend: Backend, generator, ticket: int) -> list:
+    """A non-streamed request's one batch (its complete choices), checked as _guarded checks a stream's."""
+    guarded = _guarded(backend, generator, ticket)
+    try:
+        choices = await _first_or_error(guarded)
+    finally:
+        await guarded.aclose()
+    if choices is None:
+        raise RuntimeError("the engine ended a request without an answer")
+    return choices
 
 
 async def _first_or_error(generator):

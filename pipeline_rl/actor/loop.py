@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ import httpx
 from pydantic import ValidationError
 
 from inference_shim.client import AsyncShimClient, ShimError
+from inference_shim.faults import fault_point
+from pipeline_rl.actor import rounds
 from pipeline_rl.actor.completions import Completion, completions_of
 from pipeline_rl.actor.episode import Episode, EpisodeLimits, run_episode
 from pipeline_rl.actor.errors import ActorError, TrainerStalled
@@ -40,8 +43,25 @@ from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
 from pipeline_rl.config import RunConfig
 from pipeline_rl.fleet import FleetWatch
 from pipeline_rl.ledger import REWARD_FAILED, LedgerWriter
-from pipeline_rl.messages import CompletionSample, DeadLetter, RolloutGroup, Sample, StatsRecord
-from pipeline_rl.streams import DEAD_LETTER, ROLLOUTS, STATS, TRAINER_EVENTS, make_reader, make_writer
+from pipeline_rl.messages import (
+    CarriedGroup,
+    CompletionSample,
+    DeadLetter,
+    PartialSample,
+    RolloutGroup,
+    Sample,
+    StatsRecord,
+)
+from pipeline_rl.streams import (
+    CARRIED,
+    CARRY_GROUP,
+    DEAD_LETTER,
+    ROLLOUTS,
+    STATS,
+    TRAINER_EVENTS,
+    make_reader,
+    make_writer,
+)
 from pipeline_rl.tasks import Grader, Problem, compute_reward, make_task
 from pipeline_rl.tasks.grader import Judgement
 
@@ -73,6 +93,8 @@ class ActorSummary:
     wait_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAIT_REASONS, 0.0))  # seconds
     elapsed_s: float = 0.0
     group_ids: list[str] = field(default_factory=list)
+    carried: int = 0  # answers a round cut (partial rollouts), counted once per cut
+    carried_groups: int = 0  # groups a round carried, counted once per round
 
 
 def _tokenizer(model_path: str):
@@ -108,10 +130,16 @@ class Actor:
         self.task = make_task(cfg.task)
         # Multi-turn tasks render the environment's turns to tokens on this side (token in / token out).
         self.tokenizer = _tokenizer(cfg.model_path) if getattr(self.task, "multi_turn", False) else None
+        if a.round_tokens is not None and self.tokenizer is not None:
+            raise ActorError(
+                f"actor.round_tokens (partial rollouts) continues single-turn answers only; {self.task.name} "
+                "is multi-turn: unset actor.round_tokens (docs/actor.md, Partial rollouts)"
+            )
         self.summary = ActorSummary()
         self.progress = TrainerProgress()
         self.window = _Window()
         self.in_flight_versions: Counter[int] = Counter()  # start version -> own groups in flight
+        self.sequences_in_flight = 0  # answers the servers decode for this actor now
         self.wake = asyncio.Event()  # something the admission gate depends on changed
         self.probe_now = asyncio.Event()  # a request failed: probe unhealthy servers now
         self.failure: BaseException | None = None
@@ -157,6 +185,8 @@ class Actor:
                 seed=self.cfg.actor.seed,
                 split="train",
             )
+            if self.cfg.actor.round_tokens is not None:
+                await self._run_rounds(problems)
             while not self._done_starting():
                 problem = next(problems, None)
                 if problem is None:
@@ -263,6 +293,233 @@ class Actor:
             self.summary.wait_s[blocked] += time.monotonic() - blocked_since
         return None
 
+    # -- sync rounds with partial rollouts (actor.round_tokens; pipeline_rl/actor/rounds.py) -----------
+    async def _run_rounds(self, problems: Iterator[Problem]) -> None:
+        """Rounds until the actor stops or runs out of prompts and carried groups (rounds.py has the
+        rule). A round's cut groups go to the `carried` topic and are acknowledged there only once their
+        next state (written, or carried again) is durable, so a killed actor's successor continues them."""
+        steps, buffered = self.limits.groups_per_step, self.cfg.actor.max_buffered_groups
+        carried_in = make_reader(
+            self.cfg.streams, CARRIED, group=CARRY_GROUP, consumer=f"actor{self.index}", claim_idle_s=None
+        )
+        self.carried_out = make_writer(self.cfg.streams, CARRIED)
+        out_of_prompts = False
+        try:
+            while True:
+                carried = await asyncio.to_thread(_read_all, carried_in)
+                starting = not (out_of_prompts or self._done_starting())
+                if not carried and not starting:
+                    return
+                round_version, cut_before = self.progress.version, self.summary.carried_groups
+                active = {self._spawn(self._advance(g, entry_id, carried_in)) for entry_id, g in carried}
+                while True:
+                    self.wake.clear()
+                    active = {t for t in active if not t.done()}
+                    starting = starting and not self._done_starting()
+                    if starting:
+                        waiting = await self._groups_waiting()
+                        cut = self.summary.carried_groups - cut_before
+                        if rounds.may_start_new(len(active), cut, waiting, buffered):
+                            problem = next(problems, None)
+                            if problem is None:
+                                logger.info(
+                                    "actor%d: its shard of %s has no more prompts", self.index, self.task.name
+                                )
+                                out_of_prompts = starting = False
+                                continue
+                            self.summary.groups_started += 1
+                            active.add(self._spawn(self._advance(self._fresh(problem), None, carried_in)))
+                            continue
+                    if not active:
+                        break
+                    await self._wait_wake()
+                if self.failure is not None:
+                    raise self.failure
+                if self.stop.is_set():
+                    return  # what this round cut waits on `carried` for the next start
+                if await self._groups_waiting() >= steps:  # else the trainer lacks a batch: go on
+                    await self._wait_version_after(round_version)
+        finally:
+            carried_in.close()
+            self.carried_out.close()
+
+    async def _groups_waiting(self) -> int:
+        """Groups written (by anyone) and not yet consumed by the trainer."""
+        own_before = self.summary.groups_written
+        written = await asyncio.to_thread(self.rollouts.total_written)
+        written += self.summary.groups_written - own_before  # own writes the read may have missed
+        return written - self.progress.groups_consumed
+
+    async def _wait_version_after(self, version: int) -> None:
+        """Until the trainer publishes a version newer than `version` (the step of the last round)."""
+        since = time.monotonic()
+        while self.progress.version <= version:
+            if self._done_starting():
+                return
+            if time.monotonic() - since > self.cfg.actor.trainer_wait_deadline_s:
+                raise TrainerStalled(
+                    f"waited {time.monotonic() - since:.0f}s for the step after version {version} with a "
+                    f"round's groups written ({self.progress.groups_consumed} consumed). Check the trainer and "
+                    "preprocessor logs, or raise actor.trainer_wait_deadline_s."
+                )
+            self.wake.clear()
+            await self._wait_wake()
+
+    def _fresh(self, problem: Problem) -> CarriedGroup:
+        """A new group as a carried group that has run in no round yet."""
+        return CarriedGroup(
+            group_id=f"{self.index}-{self.incarnation}:{problem.prompt_index}",
+            problem=problem.model_dump(),
+            start_version=self.progress.version,
+            started_at=time.time(),
+            rounds=0,
+            samples=[PartialSample(prompt_token_ids=[]) for _ in range(self.cfg.actor.attempts)],
+        )
+
+    async def _advance(self, group: CarriedGroup, entry_id: str | None, carried_in) -> None:
+        """One round of a group: every unfinished answer gets up to round_tokens more tokens; then the
+        group is written if every answer ended, else carried again. Its old `carried` entry is acked
+        after either (a kill in between: the successor continues the group from the older state, and a
+        second write of it is a duplicate the preprocessor drops)."""
+        version = self.progress.version
+        self.in_flight_versions[version] += 1
+        try:
+            problem = Problem.model_validate(group.problem)
+            await self._segments(problem, group)
+            group.rounds += 1
+            if all(s.finish_reason is not None for s in group.samples):
+                completions = [
+                    Completion(
+                        prompt_token_ids=s.prompt_token_ids,
+                        token_ids=s.token_ids,
+                        logprobs=s.logprobs,
+                        spans=s.version_spans,
+                        finish_reason=s.finish_reason or "unknown",
+                        text=s.text,
+                        server=s.server,
+                    )
+                    for s in group.samples
+                ]
+                samples, judgements = await self._judge(problem, group.group_id, completions)
+                extra = {"rounds": group.rounds, "segments": [s.segments for s in group.samples]}
+                await self._write_group(
+                    problem, group.group_id, group.start_version, group.started_at, samples, judgements, extra
+                )
+            else:
+                async with self.write_lock:
+                    cut = [
+                        i
+                        for i, s in zip(group.sample_ids(), group.samples, strict=True)
+                        if s.finish_reason is None
+                    ]
+                    self.ledger.carried(group.group_id, cut)
+                    await asyncio.to_thread(self.carried_out.write, group)
+                self.summary.carried += len(cut)
+                self.summary.carried_groups += 1
+            fault_point("actor.carried")  # chaos tests: the new state is durable, the old not yet acked
+            if entry_id is not None:
+                await asyncio.to_thread(carried_in.ack, [entry_id])
+        finally:
+            self.in_flight_versions[version] -= 1
+            if not self.in_flight_versions[version]:
+                del self.in_flight_versions[version]
+            self.wake.set()
+
+    async def _segments(self, problem: Problem, group: CarriedGroup) -> None:
+        """This round's requests of one group: a fresh group asks as request_mode says (chat, capped);
+        a cut answer continues from its token ids on /v1/completions."""
+        a, length = self.cfg.actor, self.cfg.inference.max_model_len or 10**9
+        cap = a.round_tokens or a.max_tokens
+        fresh = [i for i, s in enumerate(group.samples) if s.segments == 0]
+        if len(fresh) == len(group.samples) and a.request_mode == "n":
+            [done] = await asyncio.gather(
+                self._generate(
+                    problem.messages, a.attempts, self._seed(problem, 0), max_tokens=min(cap, a.max_tokens)
+                )
+            )
+            for sample, c in zip(group.samples, done, strict=True):
+                sample.prompt_token_ids = c.prompt_token_ids
+                rounds.extend(
+                    sample,
+                    c.token_ids,
+                    c.logprobs,
+                    c.spans,
+                    c.text,
+                    c.finish_reason,
+                    c.server,
+                    asked=min(cap, a.max_tokens),
+                    max_tokens=a.max_tokens,
+                    max_model_len=length,
+                )
+            return
+        await asyncio.gather(
+            *(
+                self._continue(problem, group, i, cap, length)
+                for i, s in enumerate(group.samples)
+                if s.finish_reason is None
+            )
+        )
+
+    async def _continue(self, problem: Problem, group: CarriedGroup, i: int, cap: int, length: int) -> None:
+        a = self.cfg.actor
+        sample = group.samples[i]
+        seed = self._seed(problem, a.attempts * sample.segments + i)
+        if sample.segments == 0:
+            asked = min(cap, a.max_tokens)
+            [c] = await self._generate(problem.messages, 1, seed, max_tokens=asked)
+            sample.prompt_token_ids = c.prompt_token_ids
+            rounds.extend(
+                sample,
+                c.token_ids,
+                c.logprobs,
+                c.spans,
+                c.text,
+                c.finish_reason,
+                c.server,
+                asked=asked,
+                max_tokens=a.max_tokens,
+                max_model_len=length,
+            )
+            return
+        asked = rounds.segment_tokens(sample, a.max_tokens, cap, length)
+        prompt = sample.prompt_token_ids + sample.token_ids
+
+        async def ask(server: Server):
+            response = await server.client.completion(
+                prompt,
+                max_tokens=asked,
+                temperature=a.temperature,
+                top_p=a.top_p,
+                logprobs=0,
+                n=1,
+                **({} if seed is None else {"seed": seed}),
+            )
+            return response.choices[0], server.url
+
+        choice, url = await self._on_a_server(ask)
+        logprobs = list(choice.logprobs.token_logprobs or []) if choice.logprobs else []
+        if (
+            choice.token_ids is None
+            or choice.weight_versions is None
+            or len(logprobs) != len(choice.token_ids)
+        ):
+            raise ActorError(
+                f"{url} broke the inference contract (a completion without token_ids, weight_versions or one "
+                "logprob per token); see docs/contract.md"
+            )
+        rounds.extend(
+            sample,
+            list(choice.token_ids),
+            logprobs,
+            list(choice.weight_versions),
+            choice.text,
+            choice.finish_reason or "unknown",
+            url,
+            asked=asked,
+            max_tokens=a.max_tokens,
+            max_model_len=length,
+        )
+
     # -- one group ----------------------------------------------------------------------------------
     async def _run_group(self, problem: Problem, start_version: int, started_at: float) -> None:
         group_id = f"{self.index}-{self.incarnation}:{problem.prompt_index}"
@@ -271,6 +528,24 @@ class Actor:
         else:
             samples, judgements = await self._single_turn(problem, group_id)
             extra = {}
+        await self._write_group(problem, group_id, start_version, started_at, samples, judgements, extra)
+        self.in_flight_versions[start_version] -= 1
+        if not self.in_flight_versions[start_version]:
+            del self.in_flight_versions[start_version]
+        self.wake.set()
+
+    async def _write_group(
+        self,
+        problem: Problem,
+        group_id: str,
+        start_version: int,
+        started_at: float,
+        samples: list[Sample],
+        judgements: list[Judgement],
+        extra: dict,
+    ) -> None:
+        """Ledger, then the stream: the scored samples as one RolloutGroup, the unscored as drops."""
+        incarnation = group_id.split(":", 1)[0].split("-", 1)[1]  # a carried group keeps its first writer's
         failed = [(s, j.error) for s, j in zip(samples, judgements, strict=True) if j.error is not None]
         kept = [(s, j) for s, j in zip(samples, judgements, strict=True) if j.error is None]
         group = RolloutGroup(
@@ -278,7 +553,7 @@ class Actor:
             task=self.task.name,
             prompt_index=problem.prompt_index,
             actor_id=self.index,
-            incarnation=self.incarnation,
+            incarnation=incarnation,
             samples=[s for s, _ in kept],
             metadata={
                 **problem.metadata,
@@ -296,15 +571,11 @@ class Actor:
                 await asyncio.to_thread(self._drop_unscored, group_id, failed)
             if kept:
                 await asyncio.to_thread(self.rollouts.write, group)
-        self.in_flight_versions[start_version] -= 1
-        if not self.in_flight_versions[start_version]:
-            del self.in_flight_versions[start_version]
         if kept:
             self.summary.groups_written += 1
             self.summary.group_ids.append(group_id)
             self._share_sample(problem, *kept[0])
         self._account([s for s, _ in kept])
-        self.wake.set()
 
     def _share_sample(self, problem: Problem, sample: Sample, judgement: Judgement) -> None:
         """One completion of this group for the trackers' table, while the table of the current
@@ -371,7 +642,13 @@ class Actor:
         done = await asyncio.gather(
             *(self._generate(problem.messages, n, self._seed(problem, i)) for i, n in enumerate(parts))
         )
-        completions = [c for part in done for c in part]
+        return await self._judge(problem, group_id, [c for part in done for c in part])
+
+    async def _judge(
+        self, problem: Problem, group_id: str, completions: list[Completion]
+    ) -> tuple[list[Sample], list[Judgement]]:
+        """A single-turn group's completions graded and rewarded, as Samples."""
+        a = self.cfg.actor
         judgements = await asyncio.gather(*(self.grader.judge_async(problem, c.text) for c in completions))
         samples = [
             Sample(
@@ -396,14 +673,16 @@ class Actor:
             return None
         return request_seed(self.cfg.seed, problem.prompt_index, part)
 
-    async def _generate(self, messages: list[dict], n: int, seed: int | None) -> list[Completion]:
+    async def _generate(
+        self, messages: list[dict], n: int, seed: int | None, max_tokens: int | None = None
+    ) -> list[Completion]:
         a = self.cfg.actor
 
         async def ask(server: Server) -> list[Completion]:
             response = await server.client.chat(
                 messages,
                 n=n,
-                max_tokens=a.max_tokens,
+                max_tokens=a.max_tokens if max_tokens is None else max_tokens,
                 temperature=a.temperature,
                 top_p=a.top_p,
                 logprobs=True,
@@ -411,7 +690,7 @@ class Actor:
             )
             return completions_of(response, n, server.url)
 
-        return await self._on_a_server(ask)
+        return await self._on_a_server(ask, sequences=n)
 
     async def _play(self, problem: Problem, attempt: int) -> Episode:
         """One episode of a multi-turn task, on one server (a failed one: the whole episode again on
@@ -442,16 +721,20 @@ class Actor:
 
         return await self._on_a_server(play)
 
-    async def _on_a_server(self, work):
+    async def _on_a_server(self, work, sequences: int = 1):
         """`await work(server)` on a server the router picks; a failure another server may not have is
-        retried elsewhere, up to actor.request_retries times."""
+        retried elsewhere, up to actor.request_retries times. `sequences`: how many the request decodes
+        (stats: sequences in flight)."""
         a = self.cfg.actor
         failures = 0
         while True:
             server = await self.router.acquire()
+            self.sequences_in_flight += sequences
             try:
                 result = await work(server)
             except Exception as err:
+                if self.router.defer(server, err):  # draining for a weight update: not a failure
+                    continue
                 if not retryable(err):
                     if isinstance(err, ShimError):
                         raise ActorError(f"request refused, retrying cannot help: {err}") from err
@@ -472,6 +755,7 @@ class Actor:
                 self.summary.retries += 1
                 continue
             finally:
+                self.sequences_in_flight -= sequences
                 self.router.release(server)
             if not self._in_weight_group(server):
                 # Left out of the weight group (ejected): no more requests until it is back in. This
@@ -581,6 +865,8 @@ class Actor:
             "groups_started": s.groups_started,
             "groups_written": s.groups_written,
             "groups_in_flight": sum(self.in_flight_versions.values()),
+            "carried": s.carried,
+            "sequences_in_flight": self.sequences_in_flight,
             "retries": s.retries,
             "server_failures": s.server_failures,
             "tool_faults": s.tool_faults,
@@ -594,6 +880,16 @@ class Actor:
             values[f"in_flight_server{srv.index}"] = srv.in_flight
             values[f"failures_server{srv.index}"] = srv.failures
         return StatsRecord(source=f"actor{self.index}", values=values)
+
+
+def _read_all(reader) -> list[tuple[str, CarriedGroup]]:
+    """Every carried group the `carried` topic holds for this actor now: its own unacknowledged entries
+    (a restart) first, then the new ones, oldest first."""
+    out: list[tuple[str, CarriedGroup]] = []
+    while entries := reader.read(count=256, block_s=0.0):
+        out += [(e.id, e.message) for e in entries if isinstance(e.message, CarriedGroup)]
+        reader.ack([e.id for e in entries if not isinstance(e.message, CarriedGroup)])
+    return out
 
 
 async def run_actor(

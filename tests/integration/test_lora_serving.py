@@ -150,7 +150,7 @@ def test_an_adapter_pushed_while_clients_stream_is_served_exactly(lora_model, tm
     with running_servers(lora_model, tmp_path, 1, token=TOKEN, extra=extra, backend=backend) as urls:
         url = urls[0]
         caps = httpx.get(f"{url}/capabilities", timeout=10).json()
-        assert (caps["lora"], caps["lora_max_rank"], caps["contract_version"]) == ("in_memory", RANK, "2.1")
+        assert (caps["lora"], caps["lora_max_rank"], caps["contract_version"]) == ("in_memory", RANK, "2.2")
         names = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]]
         assert names == (["tiny", "tiny:base"] if backend == "vllm" else ["tiny"])
         _assert_serves(url, base)  # before any push: the base (what a fresh peft adapter computes)

@@ -104,7 +104,7 @@ BACKENDS = {
 # ------------------------------------------------------------------ /capabilities and /v1/models
 BOTH = ["bfloat16", "float32"]
 CAPTURE = {
-    "contract_version": "2.1",
+    "contract_version": "2.2",
     "backend": "capture",
     "engine_version": "none",
     "model": "tiny-x",
@@ -120,6 +120,8 @@ CAPTURE = {
     "structured_output": False,
     "lora": "none",
     "lora_max_rank": None,
+    "update_mode": "inflight",
+    "drain_timeout_s": None,
 }
 TORCH = CAPTURE | {
     "backend": "torch",
