@@ -83,7 +83,10 @@ class PartialSample(BaseModel):
     text: str = ""
     server: str = ""
     finish_reason: str | None = Field(None, description="None while unfinished.")
-    segments: int = Field(0, description="Requests that produced its tokens (rounds it ran in).")
+    segments: int = Field(0, description="Rounds it ran in.")
+    episode: dict[str, Any] | None = Field(
+        None, description="Multi-turn tasks: the episode so far (pipeline_rl.actor.episode.Episode.to_dict)."
+    )
 
 
 class CarriedGroup(BaseModel):

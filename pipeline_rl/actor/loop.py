@@ -36,7 +36,7 @@ from inference_shim.client import AsyncShimClient, ShimError
 from inference_shim.faults import fault_point
 from pipeline_rl.actor import rounds
 from pipeline_rl.actor.completions import Completion, completions_of
-from pipeline_rl.actor.episode import Episode, EpisodeLimits, run_episode
+from pipeline_rl.actor.episode import Episode, EpisodeLimits, replay_environment, run_episode
 from pipeline_rl.actor.errors import ActorError, TrainerStalled
 from pipeline_rl.actor.gate import GateLimits, TrainerProgress, gate_block
 from pipeline_rl.actor.router import POLL_S, Router, Server, retryable
@@ -130,11 +130,6 @@ class Actor:
         self.task = make_task(cfg.task)
         # Multi-turn tasks render the environment's turns to tokens on this side (token in / token out).
         self.tokenizer = _tokenizer(cfg.model_path) if getattr(self.task, "multi_turn", False) else None
-        if a.round_tokens is not None and self.tokenizer is not None:
-            raise ActorError(
-                f"actor.round_tokens (partial rollouts) continues single-turn answers only; {self.task.name} "
-                "is multi-turn: unset actor.round_tokens (docs/actor.md, Partial rollouts)"
-            )
         self.summary = ActorSummary()
         self.progress = TrainerProgress()
         self.window = _Window()
@@ -387,7 +382,14 @@ class Actor:
             problem = Problem.model_validate(group.problem)
             await self._segments(problem, group)
             group.rounds += 1
-            if all(s.finish_reason is not None for s in group.samples):
+            if all(s.finish_reason is not None for s in group.samples) and self.tokenizer is not None:
+                played = [Episode.from_dict(s.episode or {}) for s in group.samples]
+                samples, judgements, extra = await self._judge_episodes(problem, group.group_id, played)
+                extra = {**extra, "rounds": group.rounds, "segments": [s.segments for s in group.samples]}
+                await self._write_group(
+                    problem, group.group_id, group.start_version, group.started_at, samples, judgements, extra
+                )
+            elif all(s.finish_reason is not None for s in group.samples):
                 completions = [
                     Completion(
                         prompt_token_ids=s.prompt_token_ids,
@@ -430,6 +432,10 @@ class Actor:
         a cut answer continues from its token ids on /v1/completions."""
         a, length = self.cfg.actor, self.cfg.inference.max_model_len or 10**9
         cap = a.round_tokens or a.max_tokens
+        if self.tokenizer is not None:  # a multi-turn task: each answer is an episode
+            unfinished = [i for i, s in enumerate(group.samples) if s.finish_reason is None]
+            await asyncio.gather(*(self._play_round(problem, group, i, cap) for i in unfinished))
+            return
         fresh = [i for i, s in enumerate(group.samples) if s.segments == 0]
         if len(fresh) == len(group.samples) and a.request_mode == "n":
             [done] = await asyncio.gather(
@@ -459,6 +465,41 @@ class Actor:
                 if s.finish_reason is None
             )
         )
+
+    async def _play_round(self, problem: Problem, group: CarriedGroup, i: int, cap: int) -> None:
+        """One round of episode i of a multi-turn group: at most `cap` model tokens, the environment's
+        turns in between (its tool time counts toward the round). A carried episode's environment is
+        rebuilt by replaying its replies (replay_environment)."""
+        sample = group.samples[i]
+        limits, sampling = self._episode_settings()
+
+        async def play(server: Server) -> Episode:
+            env = self.task.environment(problem)
+            episode = None
+            if sample.episode is not None:
+                episode = Episode.from_dict(sample.episode)  # a fresh copy for every attempt
+                await replay_environment(env, episode)
+            faults_before = len(env.faults)
+            episode = await run_episode(
+                server.client,
+                self.tokenizer,
+                env,
+                limits,
+                sampling,
+                self.cfg.inference.max_model_len,
+                seed=self._seed(problem, i),
+                episode=episode,
+                round_tokens=cap,
+            )
+            self.summary.tool_faults += len(env.faults) - faults_before
+            return episode
+
+        episode = await self._on_a_server(play)
+        sample.episode, sample.segments = episode.to_dict(), sample.segments + 1
+        if episode.end:
+            sample.finish_reason = episode.finish_reason
+            self.summary.episodes += 1
+            self.summary.episode_turns += episode.turns
 
     async def _continue(self, problem: Problem, group: CarriedGroup, i: int, cap: int, length: int) -> None:
         a = self.cfg.actor
@@ -620,6 +661,11 @@ class Actor:
         """A multi-turn task's group: `attempts` episodes, each judged on all the model's text."""
         a = self.cfg.actor
         played = await asyncio.gather(*(self._play(problem, i) for i in range(a.attempts)))
+        return await self._judge_episodes(problem, group_id, played)
+
+    async def _judge_episodes(
+        self, problem: Problem, group_id: str, played: list[Episode]
+    ) -> tuple[list[Sample], list[Judgement], dict]:
         judgements = await asyncio.gather(
             *(self.grader.judge_async(problem, "".join(e.texts)) for e in played)
         )
@@ -692,16 +738,19 @@ class Actor:
 
         return await self._on_a_server(ask, sequences=n)
 
-    async def _play(self, problem: Problem, attempt: int) -> Episode:
-        """One episode of a multi-turn task, on one server (a failed one: the whole episode again on
-        another)."""
+    def _episode_settings(self) -> tuple[EpisodeLimits, dict]:
         a, t = self.cfg.actor, self.cfg.task
         limits = EpisodeLimits(
             max_turns=t.episode_max_turns,
             max_tokens_per_turn=a.max_tokens,
             token_budget=t.episode_token_budget,
         )
-        sampling = {"temperature": a.temperature, "top_p": a.top_p}
+        return limits, {"temperature": a.temperature, "top_p": a.top_p}
+
+    async def _play(self, problem: Problem, attempt: int) -> Episode:
+        """One episode of a multi-turn task, on one server (a failed one: the whole episode again on
+        another)."""
+        limits, sampling = self._episode_settings()
 
         async def play(server: Server) -> Episode:
             env = self.task.environment(problem)

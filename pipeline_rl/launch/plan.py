@@ -310,10 +310,19 @@ def resolve(cfg: RunConfig, run_dir: Path, roles: set[str] | None = None) -> Run
             update = {"max_lag": 0, "max_buffered_groups": groups_per_step}
         else:
             buffered = 2 * groups_per_step
-            lag = lag_bound(a.max_tokens, a.round_tokens, groups_per_step, buffered)
+            lag = lag_bound(_longest_answer(cfg), a.round_tokens, groups_per_step, buffered)
             update = {"max_lag": lag, "max_buffered_groups": buffered}
         updates["actor"] = a.model_copy(update=update)
     return cfg.model_copy(update=updates)
+
+
+def _longest_answer(cfg: RunConfig) -> int:
+    """The most model tokens one sample can have: actor.max_tokens, or a multi-turn task's episode
+    budget (its turns' tokens together)."""
+    from pipeline_rl.tasks import make_task
+
+    multi_turn = getattr(make_task(cfg.task), "multi_turn", False)
+    return max(cfg.actor.max_tokens, cfg.task.episode_token_budget) if multi_turn else cfg.actor.max_tokens
 
 
 def _ranges(ids: list[int]) -> str:

@@ -13,6 +13,7 @@ bookkeeping on the client side; what vLLM returns for the same requests is the c
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -21,7 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference_shim.client import AsyncShimClient
 from inference_shim.weight_sender import WeightSender
-from pipeline_rl.actor.episode import EpisodeLimits, between_turns_text, run_episode
+from pipeline_rl.actor.episode import (
+    Episode,
+    EpisodeLimits,
+    between_turns_text,
+    replay_environment,
+    run_episode,
+)
 from pipeline_rl.demo.tiny_model import build_tiny_model
 from pipeline_rl.messages import RolloutGroup
 from pipeline_rl.preprocess.ops import PreprocessConfig, group_to_training_samples
@@ -197,3 +204,53 @@ def test_an_over_long_observation_is_cut_with_a_marker(model, server):
     assert episode.observations_cut == 1 and episode.turns == 2 and episode.end == "environment"
     environment = tokenizer.decode([t for t, m in zip(episode.token_ids, episode.mask, strict=True) if not m])
     assert "9" * 50 + " [cut]" in environment and "9" * 51 not in environment
+
+
+def test_an_episode_cut_into_rounds_continues_to_the_uncut_episode(model, server):
+    """Partial rollouts (actor.round_tokens) carry episodes too: played in rounds of 4 model tokens, any
+    cut mid-turn, each round on a fresh environment rebuilt by replaying its replies and on an episode
+    read back from its stream form, a greedy episode ends as the uncut one: the same ids, mask and turns."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    limits = EpisodeLimits(max_turns=5, max_tokens_per_turn=TURN_TOKENS)
+    sampling = {"temperature": 0.0, "ignore_eos": True}
+
+    async def play():
+        client = AsyncShimClient(server, timeout_s=60)
+        try:
+            whole = await run_episode(client, tokenizer, Judge(rounds=2), limits, sampling, max_model_len=512)
+            episode, rounds = None, 0
+            while episode is None or not episode.end:
+                env = Judge(rounds=2)
+                if episode is not None:
+                    episode = Episode.from_dict(json.loads(json.dumps(episode.to_dict())))
+                    await replay_environment(env, episode)
+                    assert len(env.replies) == episode.replies
+                episode = await run_episode(
+                    client,
+                    tokenizer,
+                    env,
+                    limits,
+                    sampling,
+                    max_model_len=512,
+                    episode=episode,
+                    round_tokens=4,
+                )
+                rounds += 1
+                assert rounds < 20, "the episode never ended"
+            return whole, episode, rounds
+        finally:
+            await client.aclose()
+
+    whole, carried, rounds = asyncio.run(asyncio.wait_for(play(), timeout=120))
+    assert whole.turns == 3 and whole.end == "environment"
+    assert rounds == 5  # 3 turns of 6 model tokens, 4 per round: 18 / 4 rounded up
+    assert (carried.token_ids, carried.mask, carried.turns, carried.end) == (
+        whole.token_ids,
+        whole.mask,
+        whole.turns,
+        whole.end,
+    )
+    assert carried.texts == whole.texts and carried.finishes == whole.finishes
+    assert max(abs(a - b) for a, b in zip(carried.logprobs, whole.logprobs, strict=True)) < 1e-4
+    covered = sum(s.end - s.start for s in carried.spans)
+    assert covered == sum(carried.mask)  # every model token has its version, no environment token does

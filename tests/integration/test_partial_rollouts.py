@@ -85,3 +85,39 @@ def test_sync_rounds_continue_cut_answers_exactly_through_an_actor_kill(launch_m
     assert max(versions_seen) >= 2, "no answer ran on two weight versions"
     metrics = [json.loads(x) for x in (run_dir / "trainer_metrics.jsonl").read_text().splitlines()]
     assert max(m.get("lag_max", 0) for m in metrics) <= cfg.actor.max_lag
+
+
+def test_sync_rounds_carry_multi_turn_episodes(launch_model, tmp_path):
+    """The calculator task's episodes in rounds of 4 model tokens on the torch engine: episodes are cut,
+    carried with their environment's turns and continued until they end; the run ends cleanly with the
+    carried answers counted and none lost, and each written episode's tokens are covered by version
+    spans exactly where the model sampled them."""
+    run_dir = tmp_path / "run"
+    proc, _ = start_run(
+        launch_model,
+        run_dir,
+        "mode=sync",
+        "task=calc",
+        "streams=files",
+        f"streams.files_dir={tmp_path / 'streams'}",
+        "inference.backend=torch",
+        "inference.num_servers=1",
+        "task.episode_max_turns=2",
+        "task.episode_token_budget=40",
+        "actor.round_tokens=4",
+        "actor.attempts=2",
+        "trainer.batch_size=4",
+        "trainer.max_steps=4",
+        "trainer.push_timeout_s=60",
+    )
+    output = finish(proc, "", timeout_s=300)
+    assert_clean_finish(proc, output, run_dir, 4, servers=1)
+    ledger = ledger_summary(run_dir)
+    assert ledger.carried > 0 and ledger.carried_lost == [], "\n".join(ledger.lines())
+    cfg = RunConfig.model_validate_json((run_dir / "config.json").read_text())
+    assert cfg.actor.max_lag == 10  # rounds.lag_bound(40 episode tokens, 4, 2 groups per step, 4 buffered)
+    carried = [g for g in read_all(cfg, ROLLOUTS) if g.metadata.get("rounds", 1) > 1]
+    assert carried and all("turns" in g.metadata for g in carried)
+    for g in carried:
+        for s in g.samples:
+            assert sum(span.end - span.start for span in s.version_spans) == sum(s.completion_mask or [])
