@@ -244,15 +244,9 @@ async def run_episode(
                 continue
             if asked < 1:
                 return episode
-            response = await client.completion(
-                episode.prompt_token_ids + episode.token_ids,
-                max_tokens=asked,
-                logprobs=0,
-                n=1,
-                **sampling,
-                **seeded(episode.turns - 1, episode.turn_parts),
+            choice = await _sample_on(
+                client, episode, asked, sampling, seeded(episode.turns - 1, episode.turn_parts)
             )
-            [choice] = response.choices
             got = _model_tokens(episode, choice, extend=True)
             left -= got
             if cut(choice.finish_reason or "", got, asked, could):
@@ -281,21 +275,27 @@ async def run_episode(
             asked = int(min(could, left))
             if asked < 1:
                 return episode  # the round's budget is spent: the turn starts in the next round
-            response = await client.completion(
-                episode.prompt_token_ids + episode.token_ids,
-                max_tokens=asked,
-                logprobs=0,
-                n=1,
-                **sampling,
-                **seeded(episode.turns),
-            )
-            [choice] = response.choices
+            choice = await _sample_on(client, episode, asked, sampling, seeded(episode.turns))
             got = _model_tokens(episode, choice, extend=False)
             left -= got
             if cut(choice.finish_reason or "", got, asked, could):
                 episode.next = "continue"
                 return episode
             episode.next = "reply"
+
+
+async def _sample_on(client: Any, episode: Episode, max_tokens: int, sampling: dict, seed: dict) -> Any:
+    """The model's next tokens after everything the episode holds (/v1/completions on token ids)."""
+    response = await client.completion(
+        episode.prompt_token_ids + episode.token_ids,
+        max_tokens=max_tokens,
+        logprobs=0,
+        n=1,
+        **sampling,
+        **seed,
+    )
+    [choice] = response.choices
+    return choice
 
 
 def _room(episode: Episode, limits: EpisodeLimits, max_model_len: int, turn_limit: float) -> int:

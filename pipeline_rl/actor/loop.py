@@ -444,19 +444,7 @@ class Actor:
                 )
             )
             for sample, c in zip(group.samples, done, strict=True):
-                sample.prompt_token_ids = c.prompt_token_ids
-                rounds.extend(
-                    sample,
-                    c.token_ids,
-                    c.logprobs,
-                    c.spans,
-                    c.text,
-                    c.finish_reason,
-                    c.server,
-                    asked=min(cap, a.max_tokens),
-                    max_tokens=a.max_tokens,
-                    max_model_len=length,
-                )
+                self._first_segment(sample, c, min(cap, a.max_tokens), length)
             return
         await asyncio.gather(
             *(
@@ -501,6 +489,22 @@ class Actor:
             self.summary.episodes += 1
             self.summary.episode_turns += episode.turns
 
+    def _first_segment(self, sample: PartialSample, c: Completion, asked: int, length: int) -> None:
+        """A chat answer as the first round's tokens of `sample`."""
+        sample.prompt_token_ids = c.prompt_token_ids
+        rounds.extend(
+            sample,
+            c.token_ids,
+            c.logprobs,
+            c.spans,
+            c.text,
+            c.finish_reason,
+            c.server,
+            asked=asked,
+            max_tokens=self.cfg.actor.max_tokens,
+            max_model_len=length,
+        )
+
     async def _continue(self, problem: Problem, group: CarriedGroup, i: int, cap: int, length: int) -> None:
         a = self.cfg.actor
         sample = group.samples[i]
@@ -508,19 +512,7 @@ class Actor:
         if sample.segments == 0:
             asked = min(cap, a.max_tokens)
             [c] = await self._generate(problem.messages, 1, seed, max_tokens=asked)
-            sample.prompt_token_ids = c.prompt_token_ids
-            rounds.extend(
-                sample,
-                c.token_ids,
-                c.logprobs,
-                c.spans,
-                c.text,
-                c.finish_reason,
-                c.server,
-                asked=asked,
-                max_tokens=a.max_tokens,
-                max_model_len=length,
-            )
+            self._first_segment(sample, c, asked, length)
             return
         asked = rounds.segment_tokens(sample, a.max_tokens, cap, length)
         prompt = sample.prompt_token_ids + sample.token_ids
