@@ -42,7 +42,10 @@ from pipeline_rl.eval.snapshots import evaluate_run
 # the graded format within ~20 steps and then holds 66-78% in `make demo-long` (docs/decisions.md, "The
 # long-answer task"), so 65% is "the format learned, the arithmetic kept", the highest level every
 # evaluation after it clears.
-LEVELS = {"arith": (0.5, 0.8, 0.9), "remainder": (0.5, 0.6, 0.65)}
+# longtail: set from two calibration runs (pipelined, seed 0, docs/decisions.md "The long-tail task")
+# before any comparison: from ~0% RL climbs for about two minutes at lr 3e-5 to 20-23%, the warm-up's
+# arithmetic in the graded format; 20% is the highest level every evaluation after it clears.
+LEVELS = {"arith": (0.5, 0.8, 0.9), "remainder": (0.5, 0.6, 0.65), "longtail": (0.1, 0.15, 0.2)}
 THRESHOLDS = LEVELS["arith"]
 TARGET = THRESHOLDS[-1]
 # Seconds between the weight snapshots that are evaluated. Evaluations are off the run's clock (the

@@ -51,6 +51,9 @@ from pipeline_rl.eval.snapshots import evaluate_run
 
 LONG_TAIL = "longtail"
 SEEDS = {LONG_TAIL: 3, "arith": 1}
+# Seconds between the weight saves evaluated after a run: grading 100 long-tail answers of up to 352
+# tokens takes ~10 s a save here, the demo's a second.
+SNAPSHOT_EVERY_S = {LONG_TAIL: 20, "arith": 3}
 # Token caps per round of the two partial-rollout variants, as shares of the recipe's actor.max_tokens.
 PARTIAL_CAPS = (0.3, 0.12)
 # Buckets of sequences in flight for the engine's throughput table.
@@ -114,7 +117,6 @@ def run(ctx: BenchContext) -> dict:
     wall_s = ctx.options.get("run_s") or RUN_S["quick" if ctx.quick else "full"]
     name = "rollout_strategies"
     done = _load_previous(ctx, name)  # {"runs": {"recipe/strategy/seed": measured}, "failures": [...]}
-    sections = []
     for recipe in recipes:
         if ctx.quick:
             from pipeline_rl.demo.tiny_model import build_tiny_model
@@ -137,19 +139,29 @@ def run(ctx: BenchContext) -> dict:
                 run_dir.parent.mkdir(parents=True, exist_ok=True)
                 quick = ("preprocess.drop_all_equal_groups=false",) if ctx.quick else ()
                 cmd = launch_command(
-                    ctx, variant, model, run_dir, wall_s, seed=i, extra=(*extra, *quick), recipe=recipe
+                    ctx,
+                    variant,
+                    model,
+                    run_dir,
+                    wall_s,
+                    seed=i,
+                    extra=(*extra, *quick),
+                    recipe=recipe,
+                    snapshot_every_s=SNAPSHOT_EVERY_S.get(recipe, 3),
                 )
                 try:
                     launch_run(ctx, strategy, run_dir, wall_s, cmd)
                     evaluate_run(run_dir)
-                    done["runs"][key] = measure_strategy_run(run_dir, LEVELS[recipe])
+                    done["runs"][key] = {**measure_strategy_run(run_dir, LEVELS[recipe]), "run_s": wall_s}
                 except Exception as exc:  # one failed run is recorded; the others go on
                     done["failures"].append(f"{key}: {exc}")
                     ctx.log(f"{key} FAILED (the others go on): {exc}")
                 ctx.save_json(name, done)
         results = {s: [v for k, v in done["runs"].items() if k.startswith(f"{recipe}/{s}/")] for s in plan}
-        sections.append(_section(ctx, recipe, results, seeds, wall_s, done["failures"]))
-    publish(ctx, "rollout-strategies", "\n\n".join(sections))
+        run_s = sorted({r.get("run_s", wall_s) for runs in results.values() for r in runs}) or [wall_s]
+        failures = [f for f in done["failures"] if f.startswith(f"{recipe}/")]
+        section_ = _section(ctx, recipe, results, seeds, "/".join(map(str, run_s)), failures)
+        publish(ctx, f"rollout-strategies-{recipe}", section_)
     return done
 
 

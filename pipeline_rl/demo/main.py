@@ -70,6 +70,19 @@ REMAINDER_WARMUP = WarmupConfig(
     eval_max_tokens=320,
 )
 
+# The long-tail task (docs/tasks.md, "longtail"): most answers one line, a fifth 20-30 lines. Smaller
+# batches and more steps than `remainder`'s warm-up: at 400 x 32 even one-digit differences stayed
+# wrong; 800 x 16 gets 29% of remainders right in some format, none in the graded one.
+LONGTAIL_WARMUP = WarmupConfig(
+    steps=800,
+    batch_size=16,
+    learning_rate=3e-3,
+    weight_decay=0.1,
+    answer_styles={"answer": 0.2, "signed": 0.8},
+    eval_problems=100,
+    eval_max_tokens=352,
+)
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -99,6 +112,7 @@ RECIPES = {
     "arith": Recipe("demo", "tiny-arith", DEMO_WARMUP, DEMO_MODEL, "tiny-base", 0.93),
     "calc": Recipe("demo-calc", "tiny-calc", CALC_WARMUP, DEMO_MODEL, "tiny-base"),
     "remainder": Recipe("demo-long", "tiny-remainder", REMAINDER_WARMUP, LONG_MODEL, "tiny-base-512"),
+    "longtail": Recipe("demo-longtail", "tiny-longtail", LONGTAIL_WARMUP, LONG_MODEL, "tiny-base-512"),
 }
 DEMO_TASK = RECIPES["arith"].task
 

@@ -8,7 +8,7 @@
             grade = await grader.grade_async(problem, completion_text)
             reward = compute_reward(grade, finish_reason, completion_tokens, max_tokens, RewardConfig())
 
-Modules: base (Problem, Task), arith, remainder, calc, dataset (dataset, gsm8k, math), math_grading (math-verify),
+Modules: base (Problem, Task), arith, remainder, longtail, calc, dataset (dataset, gsm8k, math), math_grading (math-verify),
 data (local dataset loading), pool (process pool with a hard timeout), grader, reward, config.
 See docs/tasks.md.
 """

@@ -31,6 +31,7 @@ from pipeline_rl.tasks.base import Task
 BUILTIN_TASKS = {
     "arith": "pipeline_rl.tasks.arith:make_task",
     "remainder": "pipeline_rl.tasks.remainder:make_task",
+    "longtail": "pipeline_rl.tasks.longtail:make_task",
     "calc": "pipeline_rl.tasks.calc:make_task",
     "gsm8k": "pipeline_rl.tasks.dataset:make_gsm8k",
     "math": "pipeline_rl.tasks.dataset:make_math",
@@ -54,7 +55,7 @@ class TaskConfig(BaseModel):
 
     name: str = Field(
         default="arith",
-        description="A built-in task (arith, remainder, calc, gsm8k, math, dataset) or a reference "
+        description="A built-in task (arith, remainder, longtail, calc, gsm8k, math, dataset) or a reference "
         "pkg.module:function to a task factory of your own (docs/tasks.md, 'Bring your own task').",
     )
     options: dict[str, Any] = Field(

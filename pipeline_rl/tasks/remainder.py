@@ -99,7 +99,7 @@ class RemainderTask:
 
     def problems(self, shard_index: int, num_shards: int, seed: int, split: Split) -> Iterator[Problem]:
         return generated_problems(
-            "remainder", self._test, self._draw, self._problem, shard_index, num_shards, seed, split
+            self.name, self._test, self._draw, self._problem, shard_index, num_shards, seed, split
         )
 
     def solution_text(self, problem: Problem) -> str:
