@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-unit test-integration test-long demo demo-calc demo-long bench lint format
+.PHONY: setup test test-unit test-integration test-long demo demo-calc demo-long demo-longtail bench lint format
 
 setup:
 	bash scripts/setup.sh
@@ -52,6 +52,10 @@ demo-calc: setup
 # The long-answer recipe: remainders by written repeated subtraction, 15-290 tokens per answer (docs/tasks.md, "remainder").
 demo-long: setup
 	$(PY) -m pipeline_rl.cli demo --recipe remainder
+
+# Reasoning RL's length shape: most answers one line, a fifth 20-30 lines (docs/tasks.md, "longtail").
+demo-longtail: setup
+	$(PY) -m pipeline_rl.cli demo --recipe longtail
 
 # Every benchmark, in order, sharing servers (hours); one: .venv/bin/python -m benchmarks NAME (docs/benchmarks.md).
 bench: setup

@@ -284,3 +284,7 @@ def _overlap_bound(results: dict[str, list[dict]]) -> float | None:
     if gen is None or train is None or max(gen, train) <= 0 or math.isnan(gen + train):
         return None
     return (gen + train) / max(gen, train)
+
+
+def servers_needed(ctx: BenchContext) -> list:
+    return []  # every run starts its own servers through the launcher

@@ -9,7 +9,8 @@
 Extra key=value arguments go to the launcher (e.g. `pipeline-rl demo mode=sync`).
 `pipeline-rl demo --recipe calc [key=value ...]` runs the multi-turn task with a calculator tool instead
 (artifacts/tiny-calc); `--recipe remainder` the long-answer task (artifacts/tiny-remainder, answers of
-~15-290 tokens).
+~15-290 tokens); `--recipe longtail` reasoning RL's length shape (artifacts/tiny-longtail: most answers
+one line, a fifth 20-30 lines).
 """
 
 from __future__ import annotations
