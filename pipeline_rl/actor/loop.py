@@ -459,29 +459,8 @@ class Actor:
         turns in between (its tool time counts toward the round). A carried episode's environment is
         rebuilt by replaying its replies (replay_environment)."""
         sample = group.samples[i]
-        limits, sampling = self._episode_settings()
-
-        async def play(server: Server) -> Episode:
-            env = self.task.environment(problem)
-            episode = None
-            if sample.episode is not None:
-                episode = Episode.from_dict(sample.episode)  # a fresh copy for every attempt
-                await replay_environment(env, episode)
-            faults_before = len(env.faults)
-            episode = await run_episode(
-                server.client,
-                self.tokenizer,
-                env,
-                limits,
-                sampling,
-                self.cfg.inference.max_model_len,
-                seed=self._seed(problem, i),
-                episode=episode,
-                round_tokens=cap,
-            )
-            self.summary.tool_faults += len(env.faults) - faults_before
-            return episode
-
+        carried = sample.episode
+        play = self._episode_on_a_server(problem, i, carried=carried, round_tokens=cap)
         episode = await self._on_a_server(play)
         sample.episode, sample.segments = episode.to_dict(), sample.segments + 1
         if episode.end:
@@ -742,10 +721,25 @@ class Actor:
     async def _play(self, problem: Problem, attempt: int) -> Episode:
         """One episode of a multi-turn task, on one server (a failed one: the whole episode again on
         another)."""
+        episode = await self._on_a_server(self._episode_on_a_server(problem, attempt))
+        self.summary.episodes += 1
+        self.summary.episode_turns += episode.turns
+        return episode
+
+    def _episode_on_a_server(
+        self, problem: Problem, attempt: int, carried: dict | None = None, round_tokens: int | None = None
+    ):
+        """The work _on_a_server runs for episode `attempt`: a new environment (brought to a `carried`
+        episode's state by replaying its replies), then the episode, or one round of it."""
         limits, sampling = self._episode_settings()
 
         async def play(server: Server) -> Episode:
             env = self.task.environment(problem)
+            episode = None
+            if carried is not None:
+                episode = Episode.from_dict(carried)  # a fresh copy for every attempt
+                await replay_environment(env, episode)
+            faults_before = len(env.faults)
             episode = await run_episode(
                 server.client,
                 self.tokenizer,
@@ -754,13 +748,13 @@ class Actor:
                 sampling,
                 self.cfg.inference.max_model_len,
                 seed=self._seed(problem, attempt),
+                episode=episode,
+                round_tokens=round_tokens,
             )
-            self.summary.tool_faults += len(env.faults)
-            self.summary.episodes += 1
-            self.summary.episode_turns += episode.turns
+            self.summary.tool_faults += len(env.faults) - faults_before
             return episode
 
-        return await self._on_a_server(play)
+        return play
 
     async def _on_a_server(self, work, sequences: int = 1):
         """`await work(server)` on a server the router picks; a failure another server may not have is
