@@ -109,24 +109,40 @@ def run_interleaved(
 
     A run that fails (a crashed launch, a missing result file) is logged and recorded, and the others go
     on: a benchmark of hours must not lose its finished runs to one bad one. The JSON (runs and failures)
-    is rewritten after every run, so a benchmark stopped halfway keeps what it measured."""
-    results: dict[str, list[dict]] = {name: [] for name in names}
-    failures: list[str] = []
+    is rewritten after every run, so a benchmark stopped halfway keeps what it measured, and `--resume`
+    takes the runs it finished (each names its seed) instead of running them again."""
+    results, failures = _previous_runs(ctx, names, json_name)
     first = first_seed(ctx)
     for i in range(first, first + seeds):
         for name in rotate(list(names), i):
+            if any(r.get("seed") == i for r in results[name]):
+                continue
             try:
-                measured = one_run(name, i)
+                measured = {**one_run(name, i), "seed": i}
             except Exception as exc:  # any one run's failure is recorded, not fatal; Ctrl-C still stops
                 failures.append(f"{name} seed {i}: {exc}")
                 ctx.log(f"{name} seed {i} FAILED (the others go on): {exc}")
             else:
                 results[name].append(measured)
+                failures = [f for f in failures if not f.startswith(f"{name} seed {i}:")]
                 ctx.log(
                     f"{name} seed {i}: { {k: v for k, v in measured.items() if not k.startswith('curve')} }"
                 )
             ctx.save_json(json_name, {"runs": results, "failures": failures})
     return results, failures
+
+
+def _previous_runs(ctx: BenchContext, names: Sequence[str], json_name: str) -> tuple[dict, list[str]]:
+    """With --resume, the runs (of these names, with their seed recorded) and failures of the benchmark's
+    last JSON; otherwise none."""
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    path = ctx.out_dir / f"{json_name}.json"
+    if not ctx.options.get("resume") or not path.exists():
+        return results, []
+    previous = json.loads(path.read_text())
+    for name in names:
+        results[name] = [r for r in previous.get("runs", {}).get(name, []) if "seed" in r]
+    return results, list(previous.get("failures", []))
 
 
 def first_seed(ctx: BenchContext) -> int:

@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--resume",
         action="store_true",
-        help="rollout-strategies: skip the runs an earlier, stopped one finished",
+        help="skip the runs an earlier, stopped run of the benchmark finished (rollout-strategies, lag, and "
+        "the other multi-seed benchmarks)",
     )
     g.add_argument("--tag", default=None, help="lag: a name for this study's results (e.g. with --override)")
     g.add_argument(

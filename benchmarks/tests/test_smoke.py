@@ -488,6 +488,38 @@ def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path: Path) -> None:
     assert "1 run(s) failed" in failures_note(failures) and failures_note([]) == ""
 
 
+def test_resume_runs_only_what_a_stopped_benchmark_left_undone(tmp_path: Path) -> None:
+    """run_interleaved with --resume: the runs a stopped benchmark finished are kept, with their seed, and
+    not run again; its failed run is run again and its failure line goes once it succeeds."""
+    from benchmarks.common import run_interleaved
+
+    ctx = _offline_context(tmp_path, "python -m benchmarks x")
+    calls: list[tuple[str, int]] = []
+    first_invocation = [True]
+
+    def one_run(name: str, seed: int) -> dict:
+        calls.append((name, seed))
+        if first_invocation[0] and (name, seed) == ("b", 0):
+            raise RuntimeError("b failed")
+        if first_invocation[0] and len(calls) == 3:
+            raise KeyboardInterrupt  # the first invocation is stopped at its third run
+        return {"samples_per_s": float(seed)}
+
+    with pytest.raises(KeyboardInterrupt):
+        run_interleaved(ctx, ["a", "b"], 2, one_run, "x")
+    ctx.options["resume"] = True
+    first_invocation[0] = False
+    calls.clear()
+    results, failures = run_interleaved(ctx, ["a", "b"], 2, one_run, "x")
+    assert calls == [("b", 0), ("b", 1), ("a", 1)]
+    assert sorted(r["seed"] for r in results["a"]) == [0, 1] and len(results["b"]) == 2
+    assert failures == []
+    ctx.options["resume"] = None  # without it, everything runs again
+    calls.clear()
+    run_interleaved(ctx, ["a", "b"], 1, one_run, "x")
+    assert calls == [("a", 0), ("b", 0)]
+
+
 def test_engine_profile_puts_each_process_and_stack_in_its_category() -> None:
     from benchmarks.engine_profile import categorize
 

@@ -2,8 +2,8 @@
 a kill -9 of the actor at its worst moment.
 
 Greedy sampling and a learning rate too small to change a float32 weight: every round pushes a new
-version, but the weights stay those of the start, so an answer continued from its token ids must be
-exactly the uncut greedy answer (transformers' greedy tokens and logprobs, <= 1e-3), while its version
+version, but the weights stay those of the start, and the server runs one request at a time, so an
+answer continued from its token ids must be exactly the uncut greedy answer (transformers' greedy tokens and logprobs, <= 1e-3), while its version
 spans show the rounds it ran in. The actor SIGKILLs itself (fault hook actor.carried) right after a
 round's carried group is durable on the `carried` topic and before its previous entry is acknowledged;
 the launcher restarts it and the successor continues every cut answer. What must hold: the run ends
@@ -46,6 +46,7 @@ def test_sync_rounds_continue_cut_answers_exactly_through_an_actor_kill(launch_m
         "actor.round_tokens=4",  # 12 tokens per answer at most: up to 3 rounds
         "actor.temperature=0",
         "actor.request_mode=per_sample",  # vLLM takes greedy requests with n=1 only
+        "actor.max_in_flight_per_server=1",  # one request in flight: no batch can change a greedy pick
         "actor.attempts=2",
         "trainer.batch_size=4",
         "trainer.learning_rate=1e-12",
