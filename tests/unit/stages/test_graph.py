@@ -1,0 +1,181 @@
+"""The declared graph: the shipped one is today's pipeline, and every way a graph cannot run fails at
+startup with a message that names the stage or topic and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline_rl.launch.compose import ConfigError, compose
+from pipeline_rl.stages.graph import (
+    GraphConfig,
+    StagePlacement,
+    StageSpec,
+    describe,
+    graph_problems,
+    in_memory,
+    order,
+)
+
+
+def config(*overrides: str):
+    return compose(["model_path=/nonexistent/model", *overrides])
+
+
+def graph(**stages: dict) -> GraphConfig:
+    return GraphConfig(name="g", stages={name: StageSpec(**spec) for name, spec in stages.items()})
+
+
+GRPO = {
+    "generate": {"kind": "generate", "outputs": ["rollouts"]},
+    "advantages": {"kind": "advantages", "inputs": ["rollouts"], "outputs": ["training_data"]},
+    "train": {"kind": "train_actor", "inputs": ["training_data"]},
+}
+# The issue's example of a user's stage: a filter between generation and advantages.
+WITH_FILTER = {
+    **GRPO,
+    "short": {"kind": "filter", "fn": "my_pkg.filters:short", "inputs": ["rollouts"], "outputs": ["kept"]},
+    "advantages": {"kind": "advantages", "inputs": ["kept"], "outputs": ["training_data"]},
+}
+
+
+def only_problem(g: GraphConfig, placement: dict | None = None) -> str:
+    problems = graph_problems(g, {k: StagePlacement(**v) for k, v in (placement or {}).items()})
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+def test_the_shipped_default_graph_is_todays_pipeline():
+    cfg = config()
+    assert cfg.graph == GraphConfig() == graph(**GRPO).model_copy(update={"name": "grpo"})
+    assert order(cfg.graph) == ["generate", "advantages", "train"]
+    assert graph_problems(cfg.graph, {}) == []
+    # every shipped recipe composes under it
+    for recipe in ("demo", "demo-calc", "demo-long", "demo-longtail"):
+        assert config(f"recipe={recipe}").graph == cfg.graph
+
+
+def test_a_cycle_fails_at_startup():
+    cyclic = graph(
+        generate={"kind": "generate", "outputs": ["rollouts"]},
+        a={"kind": "map", "fn": "m:f", "inputs": ["rollouts_b"], "outputs": ["rollouts_a"]},
+        b={"kind": "map", "fn": "m:f", "inputs": ["rollouts_a"], "outputs": ["rollouts_b"]},
+        advantages={"kind": "advantages", "inputs": ["rollouts"], "outputs": ["training_data"]},
+        train={"kind": "train_actor", "inputs": ["training_data"]},
+    )
+    assert "cycle among stages a, b" in only_problem(cyclic, {"a": {"replicas": 1}, "b": {"replicas": 1}})
+    with pytest.raises(ConfigError, match="cycle among stages advantages"):
+        config("graph.stages.advantages.inputs=[training_data]", "graph.stages.advantages.outputs=[training_data]",
+               "graph.stages.train.inputs=[rollouts]")  # fmt: skip
+
+
+def test_a_missing_input_and_an_unused_output_fail_at_startup():
+    with pytest.raises(ConfigError, match="stage 'train' reads 'scored', which no stage writes") as e:
+        config("graph.stages.train.inputs=[scored]")
+    assert "stage 'advantages' writes 'training_data', which no stage reads" in str(e.value)
+    g = graph(**{**GRPO, "generate": {"kind": "generate", "outputs": ["rollouts", "extra"]}})
+    assert only_problem(g) == (
+        "stage 'generate' writes 'extra', which no stage reads: connect it to the next stage's inputs or remove it"
+    )
+
+
+def test_a_stage_without_placement_fails_and_one_placed_by_config_runs():
+    with pytest.raises(ConfigError, match=r"stage 'short' has no placement: add placement.stages.short="):
+        config(
+            "graph.stages.short={kind: filter, fn: 'my_pkg.filters:short', inputs: [rollouts], outputs: [kept]}",
+            "graph.stages.advantages.inputs=[kept]",
+        )
+    for where in ("{replicas: 2}", "{inside: advantages}"):
+        cfg = config(
+            "graph.stages.short={kind: filter, fn: 'my_pkg.filters:short', inputs: [rollouts], outputs: [kept]}",
+            "graph.stages.advantages.inputs=[kept]",
+            f"placement.stages.short={where}",
+        )
+        assert order(cfg.graph) == ["generate", "short", "advantages", "train"]
+        assert in_memory(cfg.graph, cfg.placement.stages, "kept") == (where == "{inside: advantages}")
+        assert not in_memory(cfg.graph, cfg.placement.stages, "rollouts")
+
+
+def test_placement_must_name_a_placeable_stage_and_one_way():
+    g = graph(**WITH_FILTER)
+    assert "no stage 'shrot'" in only_problem(g, {"short": {"replicas": 1}, "shrot": {"replicas": 1}})
+    assert "set exactly one of replicas" in only_problem(g, {"short": {"replicas": 1, "inside": "advantages"}})
+    assert "runs in the preprocessor processes" in only_problem(
+        g, {"short": {"replicas": 1}, "advantages": {"replicas": 2}}
+    )
+    assert graph_problems(g, {"short": StagePlacement(inside="advantages")}) == []
+    assert "not in a train_actor stage" in only_problem(g, {"short": {"inside": "train"}})
+    assert "not in a generate stage" in only_problem(g, {"short": {"inside": "generate"}})
+    tagged = graph(**{**WITH_FILTER, "tag": {"kind": "map", "fn": "m:tag", "inputs": ["kept"], "outputs": ["tagged"]},
+                      "advantages": {**GRPO["advantages"], "inputs": ["tagged"]}})  # fmt: skip
+    assert "advantages must read exactly what short writes (kept)" in only_problem(
+        tagged, {"short": {"inside": "advantages"}, "tag": {"replicas": 1}}
+    )
+    assert (
+        graph_problems(tagged, {"short": StagePlacement(inside="tag"), "tag": StagePlacement(inside="advantages")})
+        == []
+    )
+
+
+def test_topics_have_one_writer_and_one_stream_reader():
+    two_writers = graph(**{**WITH_FILTER, "short": {**WITH_FILTER["short"], "outputs": ["rollouts"]}})
+    problems = graph_problems(two_writers, {"short": StagePlacement(replicas=1)})
+    assert any("topic 'rollouts' has 2 writers (generate, short)" in p for p in problems), problems
+    two_readers = graph(**{**WITH_FILTER, "advantages": {**GRPO["advantages"]}})
+    problems = graph_problems(two_readers, {"short": StagePlacement(replicas=1)})
+    assert any("topic 'rollouts' has 2 readers (advantages, short)" in p for p in problems), problems
+
+
+def test_kinds_need_what_they_use():
+    assert "needs exactly one stage of kind 'advantages', it has 0" in " ".join(
+        graph_problems(
+            graph(generate=GRPO["generate"], train={"kind": "train_actor", "inputs": ["rollouts"]}), {}
+        )
+    )
+    no_fn = graph(**{**WITH_FILTER, "short": {**WITH_FILTER["short"], "fn": None}})
+    assert "needs fn: pkg.module:name" in only_problem(no_fn, {"short": {"replicas": 1}})
+    bad_fn = graph(**{**WITH_FILTER, "short": {**WITH_FILTER["short"], "fn": "my_pkg.filters.short"}})
+    assert "is not pkg.module:name" in only_problem(bad_fn, {"short": {"replicas": 1}})
+    scorer = {"kind": "score", "inputs": ["rollouts"], "outputs": ["kept"]}
+    assert "needs served" in only_problem(
+        graph(**{**WITH_FILTER, "short": scorer}), {"short": {"replicas": 1}}
+    )
+    critic = graph(**{**GRPO, "values": {"kind": "values", "inputs": ["training_data"], "outputs": ["v"]},
+                     "train": {"kind": "train_actor", "inputs": ["training_data", "v"]}})  # fmt: skip
+    assert (
+        "a critic needs stages of kinds values, gae and train_critic: add gae, train_critic"
+        in only_problem(critic)
+    )
+    reserved = graph(**{**GRPO, "generate": {"kind": "generate", "outputs": ["stats"]},
+                       "advantages": {**GRPO["advantages"], "inputs": ["stats"]}})  # fmt: skip
+    assert "topic 'stats' is the run's own" in only_problem(reserved)
+
+
+def test_trainer_stages_share_their_topics_in_memory():
+    ppo = graph(
+        generate=GRPO["generate"],
+        pack={"kind": "advantages", "inputs": ["rollouts"], "outputs": ["training_data"]},
+        values={"kind": "values", "inputs": ["training_data"], "outputs": ["values"]},
+        gae={"kind": "gae", "inputs": ["training_data", "values"], "outputs": ["advantages"]},
+        train_actor={"kind": "train_actor", "inputs": ["training_data", "advantages"]},
+        train_critic={"kind": "train_critic", "inputs": ["training_data", "values", "advantages"]},
+    )
+    assert graph_problems(ppo, {}) == []
+    assert order(ppo) == ["generate", "pack", "values", "gae", "train_actor", "train_critic"]
+    assert in_memory(ppo, {}, "values") and in_memory(ppo, {}, "advantages")
+    assert not in_memory(ppo, {}, "training_data")  # from the preprocessors to the trainer: a stream
+
+
+def test_describe_prints_each_stage_upstream_first_with_where_it_runs():
+    g = graph(**WITH_FILTER)
+    placement = {"short": StagePlacement(inside="advantages")}
+    runs_in = {
+        "generate": "actor0",
+        "short": "preprocessor0",
+        "advantages": "preprocessor0",
+        "train": "trainer",
+    }
+    lines = describe(g, placement, runs_in)
+    assert lines[0] == "graph g:"
+    assert [line.split()[0] for line in lines[2:6]] == ["generate", "short", "advantages", "train"]
+    assert lines[3].split() == ["short", "filter", "rollouts", "kept~", "preprocessor0"]
+    assert lines[-1].startswith("  ~ handed over in memory")
