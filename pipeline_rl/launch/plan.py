@@ -28,6 +28,7 @@ from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError
 from pipeline_rl.launch.processes import ProcessSpec
 from pipeline_rl.launch.trainer_cmd import Rendezvous, trainer_command
+from pipeline_rl.stages.graph import RUNTIME, describe, process_of
 from pipeline_rl.streams.config import redact_url
 
 ROLES = ("redis", "servers", "trainer", "preprocessors", "actors")
@@ -336,6 +337,30 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(parts)
 
 
+def stage_processes(cfg: RunConfig, share: NodeShare) -> dict[str, str]:
+    """Stage -> the processes of this node that run it, as --dry-run shows them."""
+
+    def names(prefix: str, indices: list[int]) -> str:
+        return f"{prefix}{_ranges(indices)}" if indices else "(another node)"
+
+    placement = cfg.placement.stages
+    out = {}
+    for name in cfg.graph.stages:
+        host = process_of(cfg.graph, placement, name)
+        runtime = RUNTIME[cfg.graph.stages[host].kind]
+        if runtime == "actor":
+            out[name] = names("actor", share.actors)
+        elif runtime == "preprocessor":
+            out[name] = names("preprocessor", share.preprocessors)
+        elif runtime == "trainer":
+            out[name] = f"trainer ({share.ranks(cfg)} rank(s))" if share.trainer else "(another node)"
+        else:
+            out[name] = names(host, list(range(placement[host].replicas or 0)))
+        if host != name:
+            out[name] += f", inside {host}"
+    return out
+
+
 def print_plan(
     cfg: RunConfig, specs: list[ProcessSpec], run_dir: Path, status_port: int | None, share: NodeShare
 ) -> None:
@@ -362,6 +387,9 @@ def print_plan(
     if cfg.platform == "gpu" and i.backend == "vllm":
         engine += [f"gpu_memory_utilization {i.gpu_memory_utilization}"]
     print(f"memory: trainer {', '.join(memory)}; engine {', '.join(engine)}")
+    print(f"graph: {cfg.graph.name}, objective {cfg.algo.name} (stages upstream first)")
+    for line in describe(cfg.graph, cfg.placement.stages, stage_processes(cfg, share)):
+        print(line)
     print(f"{'process':<16}{'role':<15}{'cores':<10} {'gpus':<9}{'port':<8}command")
     if share.redis is not None:
         where = redact_url(cfg.streams.redis_url) if cfg.streams.redis_url else "private redis-server"

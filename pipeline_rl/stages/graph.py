@@ -301,7 +301,9 @@ def _fusion_problems(graph: GraphConfig, name: str, target: str) -> list[str]:
 def process_of(graph: GraphConfig, placement: dict[str, StagePlacement], name: str) -> str:
     """The stage whose process runs `name` (itself unless fused: followed through `inside` links)."""
     seen = {name}
-    while (where := placement.get(name)) is not None and where.inside is not None and where.inside not in seen:
+    while (
+        (where := placement.get(name)) is not None and where.inside is not None and where.inside not in seen
+    ):
         name = where.inside
         seen.add(name)
     return name
@@ -324,7 +326,7 @@ def _process(graph: GraphConfig, placement: dict[str, StagePlacement], name: str
 def describe(graph: GraphConfig, placement: dict[str, StagePlacement], runs_in: dict[str, str]) -> list[str]:
     """The graph as --dry-run prints it: one line per stage, upstream first, with what it reads and
     writes (a `~` marks a topic handed over in memory) and where it runs (`runs_in`: stage -> text)."""
-    lines = [f"graph {graph.name}:", f"  {'stage':<16}{'kind':<14}{'reads':<22}{'writes':<22}runs in"]
+    lines = [f"  {'stage':<16}{'kind':<14}{'reads':<22}{'writes':<22}runs in"]
     for name in order(graph):
         s = graph.stages[name]
 

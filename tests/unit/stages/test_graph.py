@@ -98,7 +98,9 @@ def test_a_stage_without_placement_fails_and_one_placed_by_config_runs():
 def test_placement_must_name_a_placeable_stage_and_one_way():
     g = graph(**WITH_FILTER)
     assert "no stage 'shrot'" in only_problem(g, {"short": {"replicas": 1}, "shrot": {"replicas": 1}})
-    assert "set exactly one of replicas" in only_problem(g, {"short": {"replicas": 1, "inside": "advantages"}})
+    assert "set exactly one of replicas" in only_problem(
+        g, {"short": {"replicas": 1, "inside": "advantages"}}
+    )
     assert "runs in the preprocessor processes" in only_problem(
         g, {"short": {"replicas": 1}, "advantages": {"replicas": 2}}
     )
@@ -111,7 +113,9 @@ def test_placement_must_name_a_placeable_stage_and_one_way():
         tagged, {"short": {"inside": "advantages"}, "tag": {"replicas": 1}}
     )
     assert (
-        graph_problems(tagged, {"short": StagePlacement(inside="tag"), "tag": StagePlacement(inside="advantages")})
+        graph_problems(
+            tagged, {"short": StagePlacement(inside="tag"), "tag": StagePlacement(inside="advantages")}
+        )
         == []
     )
 
@@ -175,7 +179,7 @@ def test_describe_prints_each_stage_upstream_first_with_where_it_runs():
         "train": "trainer",
     }
     lines = describe(g, placement, runs_in)
-    assert lines[0] == "graph g:"
-    assert [line.split()[0] for line in lines[2:6]] == ["generate", "short", "advantages", "train"]
-    assert lines[3].split() == ["short", "filter", "rollouts", "kept~", "preprocessor0"]
+    assert lines[0].split() == ["stage", "kind", "reads", "writes", "runs", "in"]
+    assert [line.split()[0] for line in lines[1:5]] == ["generate", "short", "advantages", "train"]
+    assert lines[2].split() == ["short", "filter", "rollouts", "kept~", "preprocessor0"]
     assert lines[-1].startswith("  ~ handed over in memory")
