@@ -67,9 +67,10 @@ from pipeline_rl.preprocess.ops import (
     convert_group,
     pack_micro_batches,
 )
+from pipeline_rl.stages.chain import Chain
+from pipeline_rl.stages.graph import stages_of_kind
 from pipeline_rl.streams import (
     DEAD_LETTER,
-    ROLLOUTS,
     STATS,
     TRAINER_EVENTS,
     Entry,
@@ -132,7 +133,12 @@ class Preprocessor:
         self.num_ranks = cfg.trainer.num_processes
         self.batch_size = cfg.trainer.batch_size
         streams = cfg.streams
-        self.reader = make_reader(streams, ROLLOUTS, group=GROUP, consumer=self.id, claim_idle_s=None)
+        # The graph's user stages placed inside the advantages stage run here first, on what the first of
+        # them reads (rollouts in the shipped graphs).
+        (stage,) = stages_of_kind(cfg.graph, "advantages")
+        self.chain = Chain.inside(cfg.graph, cfg.placement.stages, stage)
+        self.topic = self.chain.input_of(cfg.graph, stage)
+        self.reader = make_reader(streams, self.topic, group=GROUP, consumer=self.id, claim_idle_s=None)
         self.partitions = [make_writer(streams, training_partition(r)) for r in range(self.num_ranks)]
         self.events = make_writer(streams, TRAINER_EVENTS)
         self.stats = make_writer(streams, STATS)
@@ -152,7 +158,7 @@ class Preprocessor:
 
     # ------------------------------------------------------------------ main loop
     def run(self, stop: threading.Event) -> None:
-        log.info("%s: reading %s, writing %d partitions", self.id, ROLLOUTS, self.num_ranks)
+        log.info("%s: reading %s, writing %d partitions", self.id, self.topic, self.num_ranks)
         while not stop.is_set():
             self.poll(block_s=1.0)
         self.publish(force=True)
@@ -176,7 +182,7 @@ class Preprocessor:
     def _take(self, entry: Entry) -> None:
         message = entry.message
         if not isinstance(message, RolloutGroup):
-            self._dead_letter(entry, f"expected a rollout_group on {ROLLOUTS}, got {message.kind}")
+            self._dead_letter(entry, f"expected a rollout_group on {self.topic}, got {message.kind}")
             return
         group_id = message.group_id
         if group_id in self._seen:
@@ -203,23 +209,36 @@ class Preprocessor:
             return
         self._remember(group_id, entry.id)
         self.totals.groups_in += 1
+        outcome = self.chain.apply(message)
+        self._ledger_drops(outcome.dropped, group_id)  # before the ack / the package
+        if outcome.error is not None:
+            self._dead_letter(entry, outcome.error, counted=True)
+            return
+        if outcome.group is None:  # every sample dropped by a user stage: consumed, produces nothing
+            self.totals.groups_dropped += 1
+            self.reader.ack([entry.id])
+            return
+        message = outcome.group
         try:
             converted = convert_group(message, self.pcfg)
         except ValueError as err:  # malformed group (e.g. logprobs missing): bad data, not a crash
             self.ledger.dropped(MALFORMED, [s.sample_id for s in message.samples], group=group_id)
             self._dead_letter(entry, str(err), counted=True)
             return
-        by_reason: dict[str, list[str]] = {}
-        for sample_id, reason in converted.dropped.items():
-            by_reason.setdefault(reason, []).append(sample_id)
-        for reason, ids in by_reason.items():
-            self.ledger.dropped(reason, ids, group=group_id)  # before the ack / the package
+        self._ledger_drops(converted.dropped, group_id)  # before the ack / the package
         if not converted.samples:
             # Dynamic sampling (all rewards equal) or nothing trainable: consumed, produces nothing.
             self.totals.groups_dropped += 1
             self.reader.ack([entry.id])
             return
         self.held.append(_Held(entry.id, message, converted.samples))
+
+    def _ledger_drops(self, dropped: dict[str, str], group_id: str) -> None:
+        by_reason: dict[str, list[str]] = {}
+        for sample_id, reason in dropped.items():
+            by_reason.setdefault(reason, []).append(sample_id)
+        for reason, ids in by_reason.items():
+            self.ledger.dropped(reason, ids, group=group_id)
 
     def _remember(self, group_id: str, entry_id: str) -> None:
         self._seen[group_id] = entry_id
@@ -229,7 +248,7 @@ class Preprocessor:
     def _dead_letter(self, entry: Entry, error: str, counted: bool = False) -> None:
         log.warning("%s: entry %s moved to %s: %s", self.id, entry.id, DEAD_LETTER, error)
         raw = json.dumps(entry.message.model_dump(mode="json"))[:4096]
-        self.dead_letters.write(DeadLetter(topic=ROLLOUTS, stream_id=entry.id, error=error, raw=raw))
+        self.dead_letters.write(DeadLetter(topic=self.topic, stream_id=entry.id, error=error, raw=raw))
         if not counted:
             self.totals.groups_in += 1
         self.totals.groups_dropped += 1  # consumed: actors must not wait for it

@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline_rl.references import is_reference
+
 StageKind = Literal[
     "generate",  # the actors: sample answers on the inference servers and grade them (rule rewards)
     "filter",  # a user function that drops samples or groups, with a reason the ledger records
@@ -64,7 +66,6 @@ CRITIC_KINDS = ("values", "gae", "train_critic")
 # Topics of the run's own plumbing; a stage may not read or write them.
 RESERVED_TOPICS = ("trainer_events", "stats", "dead_letter", "carried")
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-FN_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class _Section(BaseModel):
@@ -237,7 +238,7 @@ def _stage_problems(name: str, s: StageSpec) -> list[str]:
     if s.kind in NEEDS_FN:
         if not s.fn:
             problems.append(f"stage {name!r} ({s.kind}) needs fn: pkg.module:name (the function it applies)")
-        elif not FN_REF.match(s.fn):
+        elif not is_reference(s.fn):
             problems.append(f"stage {name!r}: fn {s.fn!r} is not pkg.module:name")
     elif s.fn:
         problems.append(f"stage {name!r}: fn is for filter and map stages; {s.kind} is builtin (remove fn)")
@@ -271,7 +272,7 @@ def _placement_problems(graph: GraphConfig, placement: dict[str, StagePlacement]
                 f"placement.stages.{name}: set exactly one of replicas (own workers) and inside (a stage)"
             )
         elif where.inside is not None:
-            problems += _fusion_problems(graph, name, where.inside)
+            problems += _fusion_problems(graph, placement, name, where.inside)
     for name, s in stages.items():
         if RUNTIME[s.kind] == "worker" and name not in placement:
             problems.append(
@@ -281,7 +282,11 @@ def _placement_problems(graph: GraphConfig, placement: dict[str, StagePlacement]
     return problems
 
 
-def _fusion_problems(graph: GraphConfig, name: str, target: str) -> list[str]:
+def _fusion_problems(
+    graph: GraphConfig, placement: dict[str, StagePlacement], name: str, target: str
+) -> list[str]:
+    """A stage runs inside `target` when what it writes reaches `target` only through stages that run
+    there too: the process then reads the first one's input and hands the rest over in memory."""
     stages = graph.stages
     if target not in stages:
         return [f"placement.stages.{name}.inside: no stage {target!r} (stages: {', '.join(stages)})"]
@@ -290,10 +295,13 @@ def _fusion_problems(graph: GraphConfig, name: str, target: str) -> list[str]:
             f"placement.stages.{name}.inside={target}: a stage runs inside a preprocessor or another worker "
             f"stage, not in a {stages[target].kind} stage"
         ]
-    if stages[target].inputs != stages[name].outputs:
+    next_stages = readers(graph).get(stages[name].outputs[0], []) if stages[name].outputs else []
+    if len(next_stages) != 1 or (
+        next_stages[0] != target and process_of(graph, placement, next_stages[0]) != target
+    ):
         return [
-            f"placement.stages.{name}.inside={target}: {target} must read exactly what {name} writes "
-            f"({', '.join(stages[name].outputs)}), so the two run as one"
+            f"placement.stages.{name}.inside={target}: what {name} writes ({', '.join(stages[name].outputs)}) "
+            f"must go to {target}, or to a stage inside it, so that they run as one"
         ]
     return []
 

@@ -363,6 +363,66 @@ def test_a_malformed_group_is_dead_lettered_counted_and_in_the_ledger(redis_serv
     assert ledger_summary(cfg.run_dir).dropped == {"malformed": ATTEMPTS}
 
 
+def with_stages(cfg: RunConfig, **stages: dict) -> RunConfig:
+    """cfg with user stages chained between `rollouts` and the advantages stage, all inside it."""
+    graph = {
+        "name": "user",
+        "stages": {
+            "generate": {"kind": "generate", "outputs": ["rollouts"]},
+            "train": {"kind": "train_actor", "inputs": ["training_data"]},
+        },
+    }
+    topic = "rollouts"
+    for name, spec in stages.items():
+        graph["stages"][name] = {**spec, "inputs": [topic], "outputs": [f"after_{name}"]}
+        topic = f"after_{name}"
+    graph["stages"]["advantages"] = {"kind": "advantages", "inputs": [topic], "outputs": ["training_data"]}
+    placement = {"stages": {name: {"inside": "advantages"} for name in stages}}
+    return RunConfig.model_validate({**cfg.model_dump(), "graph": graph, "placement": placement})
+
+
+def test_user_stages_inside_the_preprocessor_drop_and_change_groups_and_the_ledger_names_them(
+    redis_server, tmp_path
+):
+    """The issue's example: a filter added by config alone. Its drops are in the ledger with the stage's
+    reason, a group it empties counts as dropped for the actors' gate, a map's rewards reach the
+    advantages, and a stage that raises dead-letters its group and the run goes on."""
+    base = make_cfg(redis_server.url, tmp_path, ranks=1, batch_size=4)
+    cfg = with_stages(
+        base,
+        short={"kind": "filter", "fn": "support.stage_fns:short_answers", "options": {"min_tokens": 5}},
+        double={"kind": "map", "fn": "support.stage_fns:double_rewards", "options": {"factor": 2.0}},
+    )
+    rng = random.Random(7)
+    groups = [make_group(i, rng) for i in range(12)]
+    short = {s.sample_id for g in groups for s in g.samples if len(s.completion_token_ids) < 5}
+    emptied = [g.group_id for g in groups if all(s.sample_id in short for s in g.samples)]
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups)
+    prep = Preprocessor(cfg, 0)
+    for _ in range(20):
+        prep.poll(block_s=0.0)
+    assert 0 < len(short) < 48
+    ledger = ledger_summary(cfg.run_dir)
+    assert ledger.dropped == {"short:too_short": len(short)}
+    assert prep.totals.groups_dropped == len(emptied)
+    trained = {s.sample_id: s for b in packages_by_batch(cfg).values() for p in b.values() for mb in p.micro_batches
+               for s in mb if not is_padding(s)}  # fmt: skip
+    assert trained and not set(trained) & short
+    originals = {s.sample_id: s.reward for g in groups for s in g.samples}
+    assert all(s.reward == 2.0 * originals[s.sample_id] for s in trained.values())
+
+    cfg = with_stages(make_cfg(redis_server.url, tmp_path / "b", ranks=1), oops={"kind": "filter", "level": "group",
+                      "fn": "support.stage_fns:broken"})  # fmt: skip
+    make_writer(cfg.streams, ROLLOUTS).write(groups[0])
+    prep = Preprocessor(cfg, 0)
+    prep.poll(block_s=0.0)
+    dead = [m for m in read_all(cfg, DEAD_LETTER) if isinstance(m, DeadLetter)]
+    assert len(dead) == 1 and "stage oops" in dead[0].error and "a bug in the user's stage" in dead[0].error
+    assert ledger_summary(cfg.run_dir).dropped == {"oops:error": ATTEMPTS}
+    assert (prep.totals.groups_in, prep.totals.groups_dropped) == (1, 1)
+    assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0
+
+
 def test_cli_processes_share_the_stream_and_stop_on_sigterm(redis_server, tmp_path):
     cfg = make_cfg(redis_server.url, tmp_path)
     config_path = tmp_path / "config.json"

@@ -109,15 +109,13 @@ def test_placement_must_name_a_placeable_stage_and_one_way():
     assert "not in a generate stage" in only_problem(g, {"short": {"inside": "generate"}})
     tagged = graph(**{**WITH_FILTER, "tag": {"kind": "map", "fn": "m:tag", "inputs": ["kept"], "outputs": ["tagged"]},
                       "advantages": {**GRPO["advantages"], "inputs": ["tagged"]}})  # fmt: skip
-    assert "advantages must read exactly what short writes (kept)" in only_problem(
+    assert "what short writes (kept) must go to advantages, or to a stage inside it" in only_problem(
         tagged, {"short": {"inside": "advantages"}, "tag": {"replicas": 1}}
     )
-    assert (
-        graph_problems(
-            tagged, {"short": StagePlacement(inside="tag"), "tag": StagePlacement(inside="advantages")}
-        )
-        == []
-    )
+    for short_inside in ("tag", "advantages"):  # a chain: each inside the next, or all inside the last
+        placement = {"short": StagePlacement(inside=short_inside), "tag": StagePlacement(inside="advantages")}
+        assert graph_problems(tagged, placement) == []
+        assert in_memory(tagged, placement, "kept") and in_memory(tagged, placement, "tagged")
 
 
 def test_topics_have_one_writer_and_one_stream_reader():
