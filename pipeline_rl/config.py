@@ -307,6 +307,10 @@ class SupervisionConfig(_Section):
     preprocessor: RestartPolicy = Field(
         default_factory=RestartPolicy, description="Restart policy of each preprocessor."
     )
+    stage: RestartPolicy = Field(
+        default_factory=RestartPolicy,
+        description="Restart policy of each worker of a user stage (placement.stages.<name>.replicas).",
+    )
     redis: RestartPolicy = Field(
         default_factory=RestartPolicy, description="Restart policy of the launcher's private Redis."
     )

@@ -247,7 +247,7 @@ class RayJob:
     """The driver: reserve, start each node's share, watch, restart a returning servers node, stop."""
 
     def __init__(
-        self, options: RayOptions, overrides: list[str], roles_arg: str, progress_every: float
+        self, options: RayOptions, overrides: list[str], roles_arg: str | None, progress_every: float
     ) -> None:
         self.options = options
         self.overrides = overrides
@@ -364,7 +364,9 @@ class RayJob:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
             **amounts,
         ).remote()
-        argv = ["--cluster", str(cluster_path), "--node", r.node.name, "--roles", self.roles_arg]
+        argv = ["--cluster", str(cluster_path), "--node", r.node.name]
+        if self.roles_arg is not None:
+            argv += ["--roles", self.roles_arg]
         argv += [
             "--progress-every",
             str(self.progress_every),

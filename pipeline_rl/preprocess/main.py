@@ -2,7 +2,7 @@
 
     pipeline-rl preprocess --config RUN/config.json --index 0      # the launcher starts one per index
 
-It reads complete groups from `rollouts` as consumer `prep<index>` of the consumer group "preprocess"
+It reads complete groups from `rollouts` (or the topic the graph gives its first stage) as consumer `prep<index>` of the consumer group "preprocess"
 (several preprocessors share the work; each group goes to one of them), turns every group into training
 samples (advantages, DAPO dynamic sampling, truncation: pipeline_rl.preprocess.ops), accumulates WHOLE
 groups until the batch holds at least trainer.batch_size samples (exactly batch_size when no sample was
@@ -24,7 +24,8 @@ Ordering contract (each group is trained exactly once):
   Duplicates: a second rollouts entry of a group this preprocessor already took (a different entry id
   with the same group_id, e.g. a write retried after a lost reply) is acked and COUNTED as dropped
   (reason duplicate): it is one more entry in the actors' written count W, so it must be one more in
-  their consumed count C, or their gate would never open again (pipeline_rl/actor/gate.py).
+  their consumed count C, or their gate would never open again (pipeline_rl/actor/gate.py). Behind a
+  user stage with workers of its own (the graph), a duplicate is that stage's copy and is not counted.
   Ledger (pipeline_rl/ledger.py, <run_dir>/ledger/prep<index>-<boot>.jsonl): every sample dropped here
   is appended with its reason before its group is acked or packed.
   Pending groups are never claimed by another preprocessor (claim_idle_s=None): a live preprocessor
@@ -59,7 +60,6 @@ from pipeline_rl.messages import (
     StatsRecord,
     TrainingPackage,
     TrainingSample,
-    decode_message,
 )
 from pipeline_rl.preprocess.ops import (
     PreprocessConfig,
@@ -68,7 +68,8 @@ from pipeline_rl.preprocess.ops import (
     pack_micro_batches,
 )
 from pipeline_rl.stages.chain import Chain
-from pipeline_rl.stages.graph import stages_of_kind
+from pipeline_rl.stages.common import counts_duplicates, last_progress, ledger_drops
+from pipeline_rl.stages.graph import host_input, stages_of_kind
 from pipeline_rl.streams import (
     DEAD_LETTER,
     STATS,
@@ -76,7 +77,6 @@ from pipeline_rl.streams import (
     Entry,
     make_reader,
     make_writer,
-    open_store,
     training_partition,
 )
 
@@ -86,7 +86,6 @@ GROUP = "preprocess"  # consumer group of all preprocessors on `rollouts`
 READ_COUNT = 64  # most groups taken per read
 PROGRESS_EVERY_S = 1.0  # most frequent progress for changes other than drops, and stats rows
 HEARTBEAT_EVERY_S = 5.0  # progress + stats even when nothing changed
-RECOVER_EVENTS = 5000  # newest trainer_events searched for our own last totals after a restart
 SEEN_GROUPS = 200_000  # group ids remembered for duplicate detection (~100 bytes each)
 
 
@@ -137,8 +136,9 @@ class Preprocessor:
         # them reads (rollouts in the shipped graphs).
         (stage,) = stages_of_kind(cfg.graph, "advantages")
         self.chain = Chain.inside(cfg.graph, cfg.placement.stages, stage)
-        self.topic = self.chain.input_of(cfg.graph, stage)
+        self.topic = host_input(cfg.graph, cfg.placement.stages, stage)
         self.reader = make_reader(streams, self.topic, group=GROUP, consumer=self.id, claim_idle_s=None)
+        self.count_duplicates = counts_duplicates(cfg, self.topic)
         self.partitions = [make_writer(streams, training_partition(r)) for r in range(self.num_ranks)]
         self.events = make_writer(streams, TRAINER_EVENTS)
         self.stats = make_writer(streams, STATS)
@@ -203,14 +203,15 @@ class Preprocessor:
                 first_entry,
             )
             self.ledger.dropped(DUPLICATE, [s.sample_id for s in message.samples], group=group_id)
-            self.totals.groups_in += 1
-            self.totals.groups_dropped += 1  # one more entry written, so one more consumed
+            if self.count_duplicates:  # one more entry the actors wrote, so one more consumed
+                self.totals.groups_in += 1
+                self.totals.groups_dropped += 1
             self.reader.ack([entry.id])
             return
         self._remember(group_id, entry.id)
         self.totals.groups_in += 1
         outcome = self.chain.apply(message)
-        self._ledger_drops(outcome.dropped, group_id)  # before the ack / the package
+        ledger_drops(self.ledger, outcome.dropped, group_id)  # before the ack / the package
         if outcome.error is not None:
             self._dead_letter(entry, outcome.error, counted=True)
             return
@@ -225,20 +226,13 @@ class Preprocessor:
             self.ledger.dropped(MALFORMED, [s.sample_id for s in message.samples], group=group_id)
             self._dead_letter(entry, str(err), counted=True)
             return
-        self._ledger_drops(converted.dropped, group_id)  # before the ack / the package
+        ledger_drops(self.ledger, converted.dropped, group_id)  # before the ack / the package
         if not converted.samples:
             # Dynamic sampling (all rewards equal) or nothing trainable: consumed, produces nothing.
             self.totals.groups_dropped += 1
             self.reader.ack([entry.id])
             return
         self.held.append(_Held(entry.id, message, converted.samples))
-
-    def _ledger_drops(self, dropped: dict[str, str], group_id: str) -> None:
-        by_reason: dict[str, list[str]] = {}
-        for sample_id, reason in dropped.items():
-            by_reason.setdefault(reason, []).append(sample_id)
-        for reason, ids in by_reason.items():
-            self.ledger.dropped(reason, ids, group=group_id)
 
     def _remember(self, group_id: str, entry_id: str) -> None:
         self._seen[group_id] = entry_id
@@ -339,16 +333,8 @@ class Preprocessor:
     # ------------------------------------------------------------------ restart recovery
     def _recover_totals(self) -> Totals:
         """Our last published totals, so that actors' accounting (latest value per id) never goes back."""
-        store = open_store(self.cfg.streams, TRAINER_EVENTS)
-        for _, payload in store.latest(RECOVER_EVENTS):
-            try:
-                message = decode_message(store.decode(payload)) if payload is not None else None
-            except Exception:  # noqa: BLE001 - malformed events are the consumers' business
-                continue
-            if isinstance(message, PreprocessorProgress) and message.preprocessor_id == self.id:
-                log.info("%s: continuing from published totals %s", self.id, message)
-                return Totals(message.groups_in, message.groups_dropped, message.samples_out)
-        return Totals()
+        last = last_progress(self.cfg, self.id)
+        return Totals(last.groups_in, last.groups_dropped, last.samples_out) if last else Totals()
 
     def _recover_written_groups(self) -> OrderedDict[str, str | None]:
         """group_id -> entry id of our packages already on the last partition, if we restarted with

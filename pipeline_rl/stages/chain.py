@@ -78,11 +78,6 @@ class Chain:
         ]
         return cls([Step(n, graph.stages[n], resolve_stage_fn(n, graph.stages[n])) for n in names])
 
-    def input_of(self, graph: GraphConfig, host: str) -> str:
-        """The topic the host process reads: the first chained stage's input, else the host's own."""
-        first = self.steps[0].name if self.steps else host
-        return graph.stages[first].inputs[0]
-
     def apply(self, group: RolloutGroup) -> Outcome:
         dropped: dict[str, str] = {}
         for step in self.steps:

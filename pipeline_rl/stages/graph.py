@@ -66,6 +66,12 @@ CRITIC_KINDS = ("values", "gae", "train_critic")
 # Topics of the run's own plumbing; a stage may not read or write them.
 RESERVED_TOPICS = ("trainer_events", "stats", "dead_letter", "carried")
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# Process names the launcher gives its own processes (`<name><index>`): a user stage's workers are named
+# the same way, so its name may not be one of these.
+PROCESS_NAMES = ("actor", "preprocessor", "server", "trainer", "redis")
+# The streams the builtin stages' processes write: the actors write rollout groups to `rollouts`, the
+# preprocessors write training packages to `training_data/<rank>`.
+BUILTIN_OUTPUTS = {"generate": "rollouts", "advantages": "training_data"}
 
 
 class _Section(BaseModel):
@@ -166,10 +172,19 @@ def graph_problems(graph: GraphConfig, placement: dict[str, StagePlacement]) -> 
     can."""
     problems: list[str] = []
     stages = graph.stages
-    for name in stages:
+    for name, s in stages.items():
         if not NAME.match(name):
             problems.append(
                 f"stage name {name!r}: use lower-case letters, digits and _, starting with a letter"
+            )
+        elif RUNTIME[s.kind] == "worker" and name in PROCESS_NAMES:
+            problems.append(
+                f"stage name {name!r} is a process name of the launcher's ({', '.join(PROCESS_NAMES)}): rename it"
+            )
+        if s.kind in BUILTIN_OUTPUTS and s.outputs != [BUILTIN_OUTPUTS[s.kind]]:
+            problems.append(
+                f"stage {name!r} ({s.kind}) writes the run's {BUILTIN_OUTPUTS[s.kind]!r} stream: set its outputs to "
+                f"[{BUILTIN_OUTPUTS[s.kind]}]"
             )
     for kind in EXACTLY_ONE:
         found = stages_of_kind(graph, kind)
@@ -315,6 +330,24 @@ def process_of(graph: GraphConfig, placement: dict[str, StagePlacement], name: s
         name = where.inside
         seen.add(name)
     return name
+
+
+def host_input(graph: GraphConfig, placement: dict[str, StagePlacement], host: str) -> str:
+    """The topic a stage's process reads: the input of the first stage that runs in it (the upstream-most
+    of those placed inside it, else its own)."""
+    first = next(n for n in order(graph) if process_of(graph, placement, n) == host)
+    return graph.stages[first].inputs[0]
+
+
+def stream_consumers(graph: GraphConfig, placement: dict[str, StagePlacement]) -> list[tuple[str, str]]:
+    """(stage, topic) of every process outside the trainer that consumes a stream: the advantages stage
+    (the preprocessors) and each user stage with workers of its own, upstream first."""
+    hosts = [n for n in order(graph) if process_of(graph, placement, n) == n]
+    return [
+        (n, host_input(graph, placement, n))
+        for n in hosts
+        if RUNTIME[graph.stages[n].kind] in ("preprocessor", "worker")
+    ]
 
 
 def in_memory(graph: GraphConfig, placement: dict[str, StagePlacement], topic: str) -> bool:

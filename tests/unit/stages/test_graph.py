@@ -38,6 +38,16 @@ WITH_FILTER = {
 }
 
 
+PPO = {
+    "generate": GRPO["generate"],
+    "pack": {"kind": "advantages", "inputs": ["rollouts"], "outputs": ["training_data"]},
+    "values": {"kind": "values", "inputs": ["training_data"], "outputs": ["values"]},
+    "gae": {"kind": "gae", "inputs": ["training_data", "values"], "outputs": ["advantages"]},
+    "train_actor": {"kind": "train_actor", "inputs": ["training_data", "advantages"]},
+    "train_critic": {"kind": "train_critic", "inputs": ["training_data", "values", "advantages"]},
+}
+
+
 def only_problem(g: GraphConfig, placement: dict | None = None) -> str:
     problems = graph_problems(g, {k: StagePlacement(**v) for k, v in (placement or {}).items()})
     assert len(problems) == 1, problems
@@ -72,9 +82,9 @@ def test_a_missing_input_and_an_unused_output_fail_at_startup():
     with pytest.raises(ConfigError, match="stage 'train' reads 'scored', which no stage writes") as e:
         config("graph.stages.train.inputs=[scored]")
     assert "stage 'advantages' writes 'training_data', which no stage reads" in str(e.value)
-    g = graph(**{**GRPO, "generate": {"kind": "generate", "outputs": ["rollouts", "extra"]}})
+    g = graph(**{**PPO, "values": {**PPO["values"], "outputs": ["values", "extra"]}})
     assert only_problem(g) == (
-        "stage 'generate' writes 'extra', which no stage reads: connect it to the next stage's inputs or remove it"
+        "stage 'values' writes 'extra', which no stage reads: connect it to the next stage's inputs or remove it"
     )
 
 
@@ -147,20 +157,19 @@ def test_kinds_need_what_they_use():
         "a critic needs stages of kinds values, gae and train_critic: add gae, train_critic"
         in only_problem(critic)
     )
-    reserved = graph(**{**GRPO, "generate": {"kind": "generate", "outputs": ["stats"]},
+    reserved = graph(**{**WITH_FILTER, "short": {**WITH_FILTER["short"], "outputs": ["stats"]},
                        "advantages": {**GRPO["advantages"], "inputs": ["stats"]}})  # fmt: skip
-    assert "topic 'stats' is the run's own" in only_problem(reserved)
+    assert "topic 'stats' is the run's own" in only_problem(reserved, {"short": {"replicas": 1}})
+    renamed = graph(**{**GRPO, "generate": {"kind": "generate", "outputs": ["samples"]},
+                      "advantages": {**GRPO["advantages"], "inputs": ["samples"]}})  # fmt: skip
+    assert "stage 'generate' (generate) writes the run's 'rollouts' stream" in only_problem(renamed)
+    clash = graph(**{**WITH_FILTER, "actor": WITH_FILTER["short"]})
+    clash.stages.pop("short")
+    assert "stage name 'actor' is a process name" in only_problem(clash, {"actor": {"replicas": 1}})
 
 
 def test_trainer_stages_share_their_topics_in_memory():
-    ppo = graph(
-        generate=GRPO["generate"],
-        pack={"kind": "advantages", "inputs": ["rollouts"], "outputs": ["training_data"]},
-        values={"kind": "values", "inputs": ["training_data"], "outputs": ["values"]},
-        gae={"kind": "gae", "inputs": ["training_data", "values"], "outputs": ["advantages"]},
-        train_actor={"kind": "train_actor", "inputs": ["training_data", "advantages"]},
-        train_critic={"kind": "train_critic", "inputs": ["training_data", "values", "advantages"]},
-    )
+    ppo = graph(**PPO)
     assert graph_problems(ppo, {}) == []
     assert order(ppo) == ["generate", "pack", "values", "gae", "train_actor", "train_critic"]
     assert in_memory(ppo, {}, "values") and in_memory(ppo, {}, "advantages")
