@@ -11,13 +11,13 @@ A stage has a kind (what it does) and reads and writes named topics: a topic bet
 stream, one between two stages of the same process (a stage fused into another, the trainer's own stages)
 is handed over in memory. Where each stage runs is declared apart from the graph: the builtin kinds run in
 the processes their sections size (`actor.num_actors` actors generate, `num_preprocessors` preprocessors
-compute advantages, the trainer trains), and a stage of a kind a user adds (a filter, a map, a scorer) is
+compute advantages, the trainer trains), and a stage of a kind a user adds (a filter, a map) is
 placed by `placement.stages.<name>`: its own `replicas` worker processes, or `inside: <stage>` inside that
 stage's process, before its function. A user extends the graph with a function reference
 (`fn: pkg.module:name`), never with a new kind.
 
 Checked once at startup (`graph_problems`, called by RunConfig): stage and topic names, one `generate`,
-one `advantages`, one `train_actor`, a function or served model where the kind needs one, one writer and
+one `advantages`, one `train_actor`, a function where the kind needs one, one writer and
 one reader per topic, no input that nothing writes, no output that nothing reads, no cycle, and a
 placement for every stage that needs one. Each message names the stage or topic and the fix.
 Torch-free: config validation stays fast.
@@ -36,13 +36,8 @@ StageKind = Literal[
     "generate",  # the actors: sample answers on the inference servers and grade them (rule rewards)
     "filter",  # a user function that drops samples or groups, with a reason the ledger records
     "map",  # a user function that changes a group (its rewards, its metadata)
-    "score",  # rewards from a served reward model
-    "reference",  # reference logprobs from a served reference model
     "advantages",  # the preprocessors: advantages, packing into training samples
-    "values",  # the critic's values of the trained tokens (in the trainer)
-    "gae",  # advantages and returns by GAE from rewards and values (in the trainer)
     "train_actor",  # the policy's optimizer step and weight push (the trainer)
-    "train_critic",  # the critic's optimizer step (the trainer)
 ]
 
 # Which process runs a stage of each kind. "worker": a stage process of its own (placement.stages.<name>
@@ -52,17 +47,10 @@ RUNTIME: dict[str, str] = {
     "advantages": "preprocessor",
     "filter": "worker",
     "map": "worker",
-    "score": "worker",
-    "reference": "worker",
-    "values": "trainer",
-    "gae": "trainer",
     "train_actor": "trainer",
-    "train_critic": "trainer",
 }
 NEEDS_FN = ("filter", "map")
-NEEDS_SERVED = ("score", "reference")
 EXACTLY_ONE = ("generate", "advantages", "train_actor")
-CRITIC_KINDS = ("values", "gae", "train_critic")
 # Topics of the run's own plumbing; a stage may not read or write them.
 RESERVED_TOPICS = ("trainer_events", "stats", "dead_letter", "carried")
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -90,7 +78,6 @@ class StageSpec(_Section):
     level: Literal["sample", "group"] = Field(
         "sample", description="filter: whether the function judges each sample or a whole group."
     )
-    served: str | None = Field(None, description="score/reference: the served model the stage calls.")
     options: dict[str, Any] = Field(
         default_factory=dict, description="Options passed to the stage's function, validated by it."
     )
@@ -193,13 +180,6 @@ def graph_problems(graph: GraphConfig, placement: dict[str, StagePlacement]) -> 
                 f"the graph needs exactly one stage of kind {kind!r}, it has {len(found)}"
                 + (f" ({', '.join(found)})" if found else "")
             )
-    critic = {kind: stages_of_kind(graph, kind) for kind in CRITIC_KINDS}
-    if any(critic.values()) and not all(critic.values()):
-        missing = [kind for kind, found in critic.items() if not found]
-        problems.append(
-            f"a critic needs stages of kinds values, gae and train_critic: add {', '.join(missing)} "
-            "(graph=ppo declares all three)"
-        )
     for name, s in stages.items():
         problems += _stage_problems(name, s)
     written_by, read_by = writers(graph), readers(graph)
@@ -213,7 +193,7 @@ def graph_problems(graph: GraphConfig, placement: dict[str, StagePlacement]) -> 
         w, r = written_by.get(topic, []), read_by.get(topic, [])
         if len(w) > 1:
             problems.append(f"topic {topic!r} has {len(w)} writers ({', '.join(w)}): give each its own topic")
-        if len(r) > 1 and not all(RUNTIME[stages[n].kind] == "trainer" for n in r):
+        if len(r) > 1:
             problems.append(
                 f"topic {topic!r} has {len(r)} readers ({', '.join(r)}): a stream topic feeds one stage; "
                 "chain the stages instead (one writes what the next reads)"
@@ -242,13 +222,13 @@ def _stage_problems(name: str, s: StageSpec) -> list[str]:
         problems.append(
             f"stage {name!r} (generate) reads nothing: the prompts come from the task (remove inputs)"
         )
-    if s.kind in ("train_actor", "train_critic") and s.outputs:
+    if s.kind == "train_actor" and s.outputs:
         problems.append(
             f"stage {name!r} ({s.kind}) writes no topic: its weights flow back by themselves (remove outputs)"
         )
     if s.kind != "generate" and not s.inputs:
         problems.append(f"stage {name!r} ({s.kind}) reads no topic: give it inputs")
-    if s.kind not in ("train_actor", "train_critic") and not s.outputs:
+    if s.kind != "train_actor" and not s.outputs:
         problems.append(f"stage {name!r} ({s.kind}) writes no topic: give it outputs")
     if s.kind in NEEDS_FN:
         if not s.fn:
@@ -257,12 +237,10 @@ def _stage_problems(name: str, s: StageSpec) -> list[str]:
             problems.append(f"stage {name!r}: fn {s.fn!r} is not pkg.module:name")
     elif s.fn:
         problems.append(f"stage {name!r}: fn is for filter and map stages; {s.kind} is builtin (remove fn)")
-    if s.kind in NEEDS_SERVED and not s.served:
-        problems.append(f"stage {name!r} ({s.kind}) needs served: the name of the served model it calls")
-    elif s.kind not in NEEDS_SERVED and s.served:
-        problems.append(f"stage {name!r}: served is for score and reference stages (remove it)")
-    if s.kind in NEEDS_FN + NEEDS_SERVED and (len(s.inputs) != 1 or len(s.outputs) != 1):
-        problems.append(f"stage {name!r} ({s.kind}) reads one topic and writes one")
+    if s.kind != "generate" and len(s.inputs) > 1:
+        problems.append(f"stage {name!r} ({s.kind}) reads one topic: chain stages rather than join topics")
+    if len(s.outputs) > 1:
+        problems.append(f"stage {name!r} ({s.kind}) writes one topic")
     return problems
 
 

@@ -1,11 +1,9 @@
 """RL objectives of the trainer: PipelineRL's simplified GRPO (default), PPO-clip, DAPO and AReaL's
 decoupled PPO, with optional KL-to-reference (k3) and entropy terms and an optional per-token correction
-for the versions a token's sampler was behind (lag_correction); and the clipped value loss of a critic
-(value_loss, with targets from trainer/gae.py). docs/objectives.md has the formulas.
+for the versions a token's sampler was behind (lag_correction). docs/objectives.md has the formulas.
 
 Everything here is a pure function of per-token tensors, so the objectives are tested on hand-worked
-numbers (tests/unit/trainer/test_losses.py, test_decoupled.py, test_gae.py) and the trainer only has to
-line tensors up:
+numbers (tests/unit/trainer/test_losses.py, test_decoupled.py) and the trainer only has to line tensors up:
 
     logits = model(input_ids).logits[:, :-1]                  # position t predicts token t+1
     new_lp = token_logprobs(logits, input_ids[:, 1:])
@@ -35,7 +33,7 @@ import torch
 
 from pipeline_rl.algo_config import AlgoConfig, Normalize  # AlgoConfig re-exported: it is torch-free
 
-__all__ = ["AlgoConfig", "rl_loss", "token_logprobs", "token_entropy", "trained_counts", "value_loss"]
+__all__ = ["AlgoConfig", "rl_loss", "token_logprobs", "token_entropy", "trained_counts"]
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -89,14 +87,13 @@ def _normalization_weights(
     seq_ids: torch.Tensor | None,
     num_sequences: int | None,
     num_tokens: int | None,
-    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Per-token weight w_t such that loss = sum_t w_t * term_t (0 on untrained tokens), in `dtype`.
+    """Per-token weight w_t such that loss = sum_t w_t * term_t (0 on untrained tokens).
 
     "sequences": 1/N_seq, "sequence_mean": 1/(L_s N_seq), "tokens": 1/N_tok (docs/objectives.md).
     """
     local_sequences, local_tokens = trained_counts(mask, seq_ids)
-    maskf = mask.to(dtype)
+    maskf = mask.float()
     if normalize == "tokens":
         denom = local_tokens if num_tokens is None else num_tokens
         if denom < local_tokens:
@@ -116,7 +113,7 @@ def _normalization_weights(
     if normalize != "sequence_mean":
         raise ValueError(f"unknown normalization {normalize!r}; use sequences, sequence_mean or tokens")
     seq = _sequence_index(mask, seq_ids).reshape(-1)
-    lengths = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, dtype=dtype, device=mask.device)
+    lengths = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, device=mask.device)
     lengths.index_add_(0, seq, maskf.reshape(-1))
     per_token = maskf.reshape(-1) / lengths.clamp(min=1.0)[seq] / max(denom, 1)
     return per_token.view_as(maskf)
@@ -239,69 +236,6 @@ def rl_loss(
     metrics["num_sequences"] = float(local_sequences)
     metrics["loss"], metrics["policy_loss"] = torch.stack([loss.detach(), policy_loss]).tolist()
     return loss, metrics
-
-
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor | None,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip: float | None,
-    normalize: Normalize,
-    *,
-    seq_ids: torch.Tensor | None = None,
-    num_sequences: int | None = None,
-    num_tokens: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The critic's loss on one micro-batch (a scalar with a graph to `values`) and metrics.
-
-    Per trained token, with v = values, v_old = old_values (the critic's values when the returns were
-    computed), R = returns (trainer/gae.py):
-
-        clip = c:     0.5 * max((v - R)^2, (v_old + clamp(v - v_old, -c, c) - R)^2)
-        clip = None:  0.5 * (v - R)^2
-
-    summed with the policy loss's normalization (`normalize`, `seq_ids`, `num_sequences`, `num_tokens`
-    exactly as in rl_loss), so gradient accumulation over micro-batches and ranks is exact in the same way.
-    Values under the mask may be anything (even inf). Computed in the floating type of `values`, at least
-    float32. Metrics: `value_loss`, `value_clip_frac` (trained tokens where the clipped term is the larger,
-    so the clip removed the token's gradient), `num_tokens`, `num_sequences` (local counts).
-    """
-    shape = mask.shape
-    for name, t in (("values", values), ("old_values", old_values), ("returns", returns)):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, mask {tuple(shape)}; they must match")
-    if clip is not None:
-        if not clip > 0:
-            raise ValueError(f"value clip must be > 0 (or None for no clip), got {clip}")
-        if old_values is None:
-            raise ValueError("a clipped value loss needs old_values (the values the returns were built from)")
-
-    m = mask.bool()
-    dtype = torch.promote_types(values.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=values.device)
-    # As in rl_loss: garbage under the mask is replaced before any arithmetic, so it cannot become NaN.
-    v = torch.where(m, values.to(dtype), zero)
-    target = torch.where(m, returns.detach().to(dtype), zero)
-    per_token = (v - target).square()
-    clipped = torch.zeros_like(m)
-    if clip is not None:
-        old = torch.where(m, old_values.detach().to(dtype), zero)
-        clipped_sq = (old + (v - old).clamp(-clip, clip) - target).square()
-        clipped = m & (clipped_sq > per_token)
-        per_token = torch.maximum(per_token, clipped_sq)
-    per_token = 0.5 * per_token
-
-    weights = _normalization_weights(m, normalize, seq_ids, num_sequences, num_tokens, dtype=dtype)
-    loss = (weights * per_token).sum()
-    local_sequences, local_tokens = trained_counts(m, seq_ids)
-    stats = torch.stack([loss.detach(), clipped.sum().to(dtype) / max(local_tokens, 1)]).tolist()
-    return loss, {
-        "value_loss": stats[0],
-        "value_clip_frac": stats[1],
-        "num_tokens": float(local_tokens),
-        "num_sequences": float(local_sequences),
-    }
 
 
 def _lag_decay(token_lags: torch.Tensor, m: torch.Tensor, decay: float) -> torch.Tensor:
