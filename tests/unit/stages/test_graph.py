@@ -170,3 +170,22 @@ def test_describe_prints_each_stage_upstream_first_with_where_it_runs():
     assert [line.split()[0] for line in lines[1:5]] == ["generate", "short", "advantages", "train"]
     assert lines[2].split() == ["short", "filter", "rollouts", "kept~", "preprocessor0"]
     assert lines[-1].startswith("  ~ handed over in memory")
+
+
+def test_the_docs_recipe_adds_a_stage_by_merging_into_the_shipped_graph(tmp_path):
+    """docs/graph.md's example: a recipe file adds a filter and points the shipped advantages stage at it."""
+    recipe = tmp_path / "my-recipe.yaml"
+    recipe.write_text(
+        "graph:\n"
+        "  stages:\n"
+        '    short: {kind: filter, fn: "my_pkg.filters:short_answers", options: {min_tokens: 3},\n'
+        "            inputs: [rollouts], outputs: [kept]}\n"
+        "    advantages: {inputs: [kept]}\n"
+        "placement:\n"
+        "  stages:\n"
+        "    short: {inside: advantages}\n"
+    )
+    cfg = config(f"recipe={recipe}")
+    assert order(cfg.graph) == ["generate", "short", "advantages", "train"]
+    assert cfg.graph.stages["advantages"].outputs == ["training_data"]  # the rest of the shipped stage
+    assert cfg.graph.stages["short"].options == {"min_tokens": 3}
