@@ -360,6 +360,13 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         problems = graph_problems(self.graph, self.placement.stages)
+        if self.mode == "sync":
+            problems += [
+                f"stage {name!r} drops single samples, which mode=sync cannot refill (a round generates exactly "
+                "one step's groups): make it a group filter (level: group) or use mode=pipeline"
+                for name, s in self.graph.stages.items()
+                if s.kind == "filter" and s.level == "sample"
+            ]
         if problems:
             raise ValueError(f"graph {self.graph.name!r} cannot run: " + "; ".join(problems))
         if self.eval.max_tokens is None:  # here, not as a field default: it follows actor.max_tokens

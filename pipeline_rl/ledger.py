@@ -12,6 +12,7 @@ which never overlap in time):
                                   {"event": "carried", "group": G, "ids": [...]}   partial rollouts: a
                                   round cut these answers; written before the `carried` stream write
     prep<i>-<boot>.jsonl          {"event": "dropped", "reason": R, "group": G, "ids": [...]}   before the ack
+    <stage><i>-<boot>.jsonl       the same, from a worker of a user stage of the graph (docs/graph.md)
     trainer.jsonl                 {"event": "trained", "step": S, "ids": [...]}
                                   {"event": "dropped", "reason": "too_stale", "step": S, "ids": [...]}
                                   {"event": "resume", "step": S}   written at every trainer start
@@ -87,7 +88,7 @@ DUPLICATE = "duplicate"
 REWARD_FAILED = "reward_failed"  # the user's reward (task.reward) raised, hung or gave no finite number
 REASONS = (FILTERED, TOO_LONG, UNTRAINABLE, MALFORMED, TOO_STALE, DUPLICATE, REWARD_FAILED)
 # A user stage's drop (stages/chain.py): the stage's name, then the reason its function gave.
-STAGE_REASON = re.compile(r"[a-z][a-z0-9_]*:[A-Za-z0-9_]+")
+STAGE_REASON = re.compile(r"[a-z][a-z0-9_]*:[A-Za-z0-9_]+", re.ASCII)
 
 
 def ledger_dir(run_dir: str | Path) -> Path:

@@ -7,8 +7,8 @@
 
 Restartable roles and their policies (`supervision.<field>` in the config): servers (`server`), the
 trainer (`trainer`), actors (`actor`), preprocessors (`preprocessor`), the workers of the graph's user
-stages (`stage`), the launcher's private Redis (`redis`). Each is restartable by design: a server comes back with --await-weights (503 until the
-trainer's next push gives it the current weights; the trainer re-admits it at a step boundary), the
+stages (`stage`), the launcher's private Redis (`redis`). Each is restartable by design: a server comes
+back with --await-weights (503 until the trainer's next push gives it the current weights; the trainer re-admits it at a step boundary), the
 trainer resumes from its newest checkpoint (--resume; steps after it are redone, their samples come
 again from the streams' committed positions), an actor draws a new incarnation (fresh sample ids), a
 preprocessor or a stage worker gets its unacked entries back from its consumer group, Redis replays its append-only file.

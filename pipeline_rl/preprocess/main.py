@@ -2,8 +2,9 @@
 
     pipeline-rl preprocess --config RUN/config.json --index 0      # the launcher starts one per index
 
-It reads complete groups from `rollouts` (or the topic the graph gives its first stage) as consumer `prep<index>` of the consumer group "preprocess"
-(several preprocessors share the work; each group goes to one of them), turns every group into training
+It reads complete groups from `rollouts` (or the topic the graph gives its first stage: docs/graph.md) as
+consumer `prep<index>` of the consumer group "preprocess" (several preprocessors share the work; each
+group goes to one of them), applies the graph's user stages placed inside it, turns every group into training
 samples (advantages, DAPO dynamic sampling, truncation: pipeline_rl.preprocess.ops), accumulates WHOLE
 groups until the batch holds at least trainer.batch_size samples (exactly batch_size when no sample was
 dropped), packs them into micro-batches of <= preprocess.seq_length tokens, spreads those over the
@@ -24,8 +25,7 @@ Ordering contract (each group is trained exactly once):
   Duplicates: a second rollouts entry of a group this preprocessor already took (a different entry id
   with the same group_id, e.g. a write retried after a lost reply) is acked and COUNTED as dropped
   (reason duplicate): it is one more entry in the actors' written count W, so it must be one more in
-  their consumed count C, or their gate would never open again (pipeline_rl/actor/gate.py). Behind a
-  user stage with workers of its own (the graph), a duplicate is that stage's copy and is not counted.
+  their consumed count C, or their gate would never open again (pipeline_rl/actor/gate.py).
   Ledger (pipeline_rl/ledger.py, <run_dir>/ledger/prep<index>-<boot>.jsonl): every sample dropped here
   is appended with its reason before its group is acked or packed.
   Pending groups are never claimed by another preprocessor (claim_idle_s=None): a live preprocessor
@@ -68,7 +68,7 @@ from pipeline_rl.preprocess.ops import (
     pack_micro_batches,
 )
 from pipeline_rl.stages.chain import Chain
-from pipeline_rl.stages.common import counts_duplicates, last_progress, ledger_drops
+from pipeline_rl.stages.common import last_progress, ledger_drops
 from pipeline_rl.stages.graph import host_input, stages_of_kind
 from pipeline_rl.streams import (
     DEAD_LETTER,
@@ -138,7 +138,6 @@ class Preprocessor:
         self.chain = Chain.inside(cfg.graph, cfg.placement.stages, stage)
         self.topic = host_input(cfg.graph, cfg.placement.stages, stage)
         self.reader = make_reader(streams, self.topic, group=GROUP, consumer=self.id, claim_idle_s=None)
-        self.count_duplicates = counts_duplicates(cfg, self.topic)
         self.partitions = [make_writer(streams, training_partition(r)) for r in range(self.num_ranks)]
         self.events = make_writer(streams, TRAINER_EVENTS)
         self.stats = make_writer(streams, STATS)
@@ -203,9 +202,8 @@ class Preprocessor:
                 first_entry,
             )
             self.ledger.dropped(DUPLICATE, [s.sample_id for s in message.samples], group=group_id)
-            if self.count_duplicates:  # one more entry the actors wrote, so one more consumed
-                self.totals.groups_in += 1
-                self.totals.groups_dropped += 1
+            self.totals.groups_in += 1
+            self.totals.groups_dropped += 1  # one more entry written, so one more consumed
             self.reader.ack([entry.id])
             return
         self._remember(group_id, entry.id)

@@ -9,19 +9,24 @@ arguments:
     filter, level group:   fn(group, **options) -> str | None            a reason drops the whole group
     map:                   fn(group, **options) -> RolloutGroup          the group to go on with
 A drop's ledger reason is `<stage>:<reason>`, so `pipeline-rl report` shows which stage dropped what and
-why. A function that raises drops its group with reason `<stage>:error` (the error goes to the dead
-letters, like a group the preprocessor cannot convert): one bad group does not stop the run.
+why. A function that raises, returns something else, or takes longer than the stage's `timeout_s` drops
+its group with reason `<stage>:error` (the error goes to the dead letters, like a group the preprocessor
+cannot convert): one bad group does not stop the run. A call past its deadline cannot be interrupted; its
+thread is left to finish and the chain goes on in a new one.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as CallTimeout
 from dataclasses import dataclass, field
 
+from pipeline_rl.ledger import STAGE_REASON
 from pipeline_rl.messages import RolloutGroup
 from pipeline_rl.references import resolve_callable
-from pipeline_rl.stages.graph import GraphConfig, StagePlacement, StageSpec, order, process_of
+from pipeline_rl.stages.graph import NEEDS_FN, GraphConfig, StagePlacement, StageSpec, order, process_of
 
 ERROR = "error"
 
@@ -66,6 +71,7 @@ class Chain:
 
     def __init__(self, steps: list[Step]) -> None:
         self.steps = steps
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
 
     @classmethod
     def inside(cls, graph: GraphConfig, placement: dict[str, StagePlacement], host: str) -> Chain:
@@ -74,57 +80,68 @@ class Chain:
         names = [
             n
             for n in order(graph)
-            if graph.stages[n].kind in ("filter", "map") and process_of(graph, placement, n) == host
+            if graph.stages[n].kind in NEEDS_FN and process_of(graph, placement, n) == host
         ]
         return cls([Step(n, graph.stages[n], resolve_stage_fn(n, graph.stages[n])) for n in names])
 
     def apply(self, group: RolloutGroup) -> Outcome:
         dropped: dict[str, str] = {}
         for step in self.steps:
+            call = self._calls.submit(self._apply_one, step, group, dropped.copy())
             try:
-                group = self._apply_one(step, group, dropped)
+                group, dropped = call.result(timeout=step.spec.timeout_s)
             except Exception as e:  # noqa: BLE001 - the user's code: its group is dropped, the run goes on
+                if isinstance(e, CallTimeout):
+                    # The call cannot be stopped: leave its thread and go on in a new one.
+                    self._calls.shutdown(wait=False)
+                    self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+                    e = TimeoutError(f"no answer within timeout_s={step.spec.timeout_s}")
                 reason = f"{step.name}:{ERROR}"
                 dropped.update({s.sample_id: reason for s in group.samples if s.sample_id not in dropped})
-                return Outcome(
-                    None, dropped, f"stage {step.name} ({step.spec.fn}) raised {type(e).__name__}: {e}"
-                )
+                error = f"stage {step.name} ({step.spec.fn}): {type(e).__name__}: {e}"
+                return Outcome(None, dropped, error)
             if not group.samples:
                 return Outcome(None, dropped)
         return Outcome(group, dropped)
 
     @staticmethod
-    def _apply_one(step: Step, group: RolloutGroup, dropped: dict[str, str]) -> RolloutGroup:
+    def _apply_one(
+        step: Step, group: RolloutGroup, dropped: dict[str, str]
+    ) -> tuple[RolloutGroup, dict[str, str]]:
         spec, options = step.spec, step.spec.options
         if spec.kind == "map":
             out = step.fn(group, **options)
             if not isinstance(out, RolloutGroup):
                 raise TypeError(f"a map returns a RolloutGroup, got {type(out).__name__}")
-            kept = {s.sample_id for s in out.samples}
-            lost = [s.sample_id for s in group.samples if s.sample_id not in kept]
-            if lost:
+            if out.group_id != group.group_id or [s.sample_id for s in out.samples] != [
+                s.sample_id for s in group.samples
+            ]:
                 raise ValueError(
-                    f"a map may not remove samples ({len(lost)} gone): use a filter stage to drop them"
+                    "a map keeps the group's group_id and its samples' ids (a filter stage drops samples)"
                 )
-            return out
+            return out, dropped
         if spec.level == "group":
-            reason = step.fn(group, **options)
-            _check_reason(reason)
+            reason = _checked(step.name, step.fn(group, **options))
             if reason is None:
-                return group
-            dropped.update({s.sample_id: f"{step.name}:{reason}" for s in group.samples})
-            return group.model_copy(update={"samples": []})
+                return group, dropped
+            dropped.update({s.sample_id: reason for s in group.samples})
+            return group.model_copy(update={"samples": []}), dropped
         keep = []
         for sample in group.samples:
-            reason = step.fn(sample, group, **options)
-            _check_reason(reason)
+            reason = _checked(step.name, step.fn(sample, group, **options))
             if reason is None:
                 keep.append(sample)
             else:
-                dropped[sample.sample_id] = f"{step.name}:{reason}"
-        return group.model_copy(update={"samples": keep}) if len(keep) < len(group.samples) else group
+                dropped[sample.sample_id] = reason
+        if len(keep) < len(group.samples):
+            group = group.model_copy(update={"samples": keep})
+        return group, dropped
 
 
-def _check_reason(reason: object) -> None:
-    if reason is not None and not (isinstance(reason, str) and reason.replace("_", "").isalnum()):
-        raise ValueError(f"a filter returns None or a reason made of letters, digits and _, got {reason!r}")
+def _checked(stage: str, reason: object) -> str | None:
+    """The ledger reason of a filter's answer: None (kept), or `<stage>:<reason>`."""
+    if reason is None:
+        return None
+    if not isinstance(reason, str) or not STAGE_REASON.fullmatch(f"{stage}:{reason}"):
+        raise ValueError(f"a filter returns None or a reason of ASCII letters, digits and _, got {reason!r}")
+    return f"{stage}:{reason}"

@@ -11,7 +11,6 @@ import logging
 from pipeline_rl.config import RunConfig
 from pipeline_rl.ledger import LedgerWriter
 from pipeline_rl.messages import PreprocessorProgress, decode_message
-from pipeline_rl.stages.graph import stages_of_kind
 from pipeline_rl.streams import TRAINER_EVENTS, open_store
 
 log = logging.getLogger("pipeline_rl.stages")
@@ -32,14 +31,6 @@ def last_progress(cfg: RunConfig, consumer_id: str) -> PreprocessorProgress | No
             log.info("%s: continuing from published totals %s", consumer_id, message)
             return message
     return None
-
-
-def counts_duplicates(cfg: RunConfig, topic: str) -> bool:
-    """Whether the reader of `topic` counts a duplicate entry as a consumed group: only on the actors'
-    own output, where each entry is one the actors counted as written. Further down, a duplicate is a
-    copy this pipeline made (a stage worker killed between its write and its ack)."""
-    (generate,) = stages_of_kind(cfg.graph, "generate")
-    return topic in cfg.graph.stages[generate].outputs
 
 
 def ledger_drops(ledger: LedgerWriter, dropped: dict[str, str], group_id: str) -> None:

@@ -54,12 +54,14 @@ EXACTLY_ONE = ("generate", "advantages", "train_actor")
 # Topics of the run's own plumbing; a stage may not read or write them.
 RESERVED_TOPICS = ("trainer_events", "stats", "dead_letter", "carried")
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-# Process names the launcher gives its own processes (`<name><index>`): a user stage's workers are named
-# the same way, so its name may not be one of these.
-PROCESS_NAMES = ("actor", "preprocessor", "server", "trainer", "redis")
-# The streams the builtin stages' processes write: the actors write rollout groups to `rollouts`, the
-# preprocessors write training packages to `training_data/<rank>`.
+# Names the launcher gives processes and stream consumers (`<name><index>`; the preprocessors consume as
+# `prep<index>`): a user stage's workers are named the same way, so its name may not be one of these, nor
+# end in a digit (stage `short1`, worker 1 and stage `short`, worker 11 would both be `short11`).
+PROCESS_NAMES = ("actor", "prep", "preprocessor", "server", "trainer", "redis")
+# The streams the builtin stages' processes read and write: the actors write rollout groups to `rollouts`,
+# the preprocessors write training packages to `training_data/<rank>`, which the trainer reads.
 BUILTIN_OUTPUTS = {"generate": "rollouts", "advantages": "training_data"}
+BUILTIN_INPUTS = {"train_actor": "training_data"}
 
 
 class _Section(BaseModel):
@@ -80,6 +82,11 @@ class StageSpec(_Section):
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Options passed to the stage's function, validated by it."
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="filter/map: longest one call may take; past it, its group is dropped as an error.",
     )
 
 
@@ -164,9 +171,15 @@ def graph_problems(graph: GraphConfig, placement: dict[str, StagePlacement]) -> 
             problems.append(
                 f"stage name {name!r}: use lower-case letters, digits and _, starting with a letter"
             )
-        elif RUNTIME[s.kind] == "worker" and name in PROCESS_NAMES:
+        elif RUNTIME[s.kind] == "worker" and (name in PROCESS_NAMES or name[-1].isdigit()):
             problems.append(
-                f"stage name {name!r} is a process name of the launcher's ({', '.join(PROCESS_NAMES)}): rename it"
+                f"stage name {name!r}: its workers would be named like the launcher's processes "
+                f"({', '.join(PROCESS_NAMES)}) or another stage's: rename it (no digit at the end)"
+            )
+        if s.kind in BUILTIN_INPUTS and s.inputs != [BUILTIN_INPUTS[s.kind]]:
+            problems.append(
+                f"stage {name!r} ({s.kind}) reads the run's {BUILTIN_INPUTS[s.kind]!r} stream: set its inputs to "
+                f"[{BUILTIN_INPUTS[s.kind]}]"
             )
         if s.kind in BUILTIN_OUTPUTS and s.outputs != [BUILTIN_OUTPUTS[s.kind]]:
             problems.append(

@@ -7,16 +7,17 @@ Workers of one stage share its input as consumers `<stage><index>` of the consum
 each group goes to one of them (placement.stages.<stage>.replicas of them).
 
 Ordering contract (each group goes on exactly once, or is dropped with its reason):
-  1. read groups; a group_id already taken is a second entry of the same group: acked and dropped as a
-     duplicate (counted for the actors' gate only when this stage reads the actors' own topic, where a
-     duplicate is one more entry they wrote; further down it is a copy this pipeline made);
+  1. read groups; a group_id already taken is a second entry of the same group (an actor's write
+     retried after a lost reply): acked and counted as dropped (duplicate), as the preprocessors do;
   2. apply the chain (stages/chain.py) and write its drops to the ledger (`<stage>:<reason>`);
-  3. write the group that is left to the output topic; 4. ack its input entry; 5. publish progress on
-     trainer_events (a PreprocessorProgress under id `<stage><index>`: the actors count its dropped groups
-     as consumed, and a drop goes out at once, since a blocked actor may wait on it).
-A worker killed between 3 and 4 writes its group again when it restarts (the entry is still pending);
-the next stage takes the second copy as a duplicate and drops it uncounted. Pending entries are never
-claimed by another worker (a dead worker's groups wait for its restart, as the preprocessors' do).
+  3. write the group that is left to the output topic, stamped with this worker and its input entry
+     (metadata["hops"][stage]); 4. ack the input entry; 5. publish progress on trainer_events (a
+     PreprocessorProgress under id `<stage><index>`: the actors count its dropped groups as consumed;
+     after a read that dropped any, at once, since a blocked actor may wait on them).
+A worker killed between 3 and 4 finds, when it restarts with pending entries, the groups it already
+wrote on its output topic (by their stamp) and acks those entries instead of writing them again.
+Pending entries are never claimed by another worker: a dead worker's groups wait for its restart, as the
+preprocessors' do.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ from pipeline_rl.config import RunConfig, load_run_config
 from pipeline_rl.ledger import DUPLICATE, LedgerWriter
 from pipeline_rl.messages import DeadLetter, PreprocessorProgress, RolloutGroup, StatsRecord
 from pipeline_rl.stages.chain import Chain
-from pipeline_rl.stages.common import counts_duplicates, last_progress, ledger_drops
+from pipeline_rl.stages.common import last_progress, ledger_drops
 from pipeline_rl.stages.graph import host_input
 from pipeline_rl.streams import DEAD_LETTER, STATS, TRAINER_EVENTS, Entry, make_reader, make_writer
 
 log = logging.getLogger("pipeline_rl.stages")
 
-READ_COUNT = 16  # most groups taken per read
+READ_COUNT = 4  # most groups taken per read: few, so that a stage's workers share a burst
 PROGRESS_EVERY_S = 1.0
 HEARTBEAT_EVERY_S = 5.0
 SEEN_GROUPS = 200_000  # group ids remembered for duplicate detection
@@ -52,14 +53,16 @@ class StageWorker:
     """One worker of a user stage. `poll()` reads once and passes on what it read; `run()` loops."""
 
     def __init__(self, cfg: RunConfig, stage: str, index: int) -> None:
-        if stage not in cfg.graph.stages or cfg.placement.stages.get(stage, None) is None:
+        where = cfg.placement.stages.get(stage)
+        if stage not in cfg.graph.stages or where is None or not where.replicas:
             raise ValueError(f"no stage {stage!r} with workers of its own in graph {cfg.graph.name!r}")
+        if index >= where.replicas:
+            log.warning("--index %d is outside placement.stages.%s.replicas=%d", index, stage, where.replicas)
         self.cfg, self.stage, self.index = cfg, stage, index
         self.id = f"{stage}{index}"
         self.chain = Chain.inside(cfg.graph, cfg.placement.stages, stage)
         self.topic = host_input(cfg.graph, cfg.placement.stages, stage)
         self.output = cfg.graph.stages[stage].outputs[0]
-        self.count_duplicates = counts_duplicates(cfg, self.topic)
         streams = cfg.streams
         self.reader = make_reader(streams, self.topic, group=stage, consumer=self.id, claim_idle_s=None)
         self.writer = make_writer(streams, self.output)
@@ -68,6 +71,7 @@ class StageWorker:
         self.dead_letters = make_writer(streams, DEAD_LETTER)
         self.ledger = LedgerWriter(cfg.run_dir, f"{self.id}-{uuid.uuid4().hex[:12]}")
         self.seen: OrderedDict[str, str] = OrderedDict()
+        self.written = self._recover_written()  # input entry id -> group_id, written before a restart
         last = last_progress(cfg, self.id)
         self.groups_in, self.groups_dropped, self.samples_out = (
             (last.groups_in, last.groups_dropped, last.samples_out) if last else (0, 0, 0)
@@ -95,14 +99,19 @@ class StageWorker:
         if not isinstance(message, RolloutGroup):
             self._dead_letter(entry, f"expected a rollout_group on {self.topic}, got {message.kind}")
             return 0
+        if self.written.pop(entry.id, None) == message.group_id:
+            # Written on before a restart that came before the ack: ack, never write twice.
+            log.info("%s: group %s was written before a restart; acking it", self.id, message.group_id)
+            self.seen[message.group_id] = entry.id
+            self.reader.ack([entry.id])
+            return 0
         if message.group_id in self.seen:
             log.warning(
                 "%s: entry %s repeats group %s: dropped as a duplicate", self.id, entry.id, message.group_id
             )
             self.ledger.dropped(DUPLICATE, [s.sample_id for s in message.samples], group=message.group_id)
-            if self.count_duplicates:
-                self.groups_in += 1
-                self.groups_dropped += 1
+            self.groups_in += 1
+            self.groups_dropped += 1  # one more entry written upstream, so one more consumed
             self.reader.ack([entry.id])
             return 0
         self.seen[message.group_id] = entry.id
@@ -118,11 +127,31 @@ class StageWorker:
             self.groups_dropped += 1
             self.reader.ack([entry.id])
             return 0
-        self.writer.write(outcome.group)
+        hops = {**outcome.group.metadata.get("hops", {}), self.stage: {"worker": self.id, "entry": entry.id}}
+        self.writer.write(
+            outcome.group.model_copy(update={"metadata": {**outcome.group.metadata, "hops": hops}})
+        )
         fault_point("stage.written")  # chaos tests: the group is written on, its entry not acked
         self.reader.ack([entry.id])
         self.samples_out += len(outcome.group.samples)
         return 1
+
+    def _recover_written(self) -> dict[str, str]:
+        """Input entry id -> group_id of the groups this worker wrote on its output topic, if it restarted
+        with pending entries (it may have died between a write and its ack)."""
+        written: dict[str, str] = {}
+        if not self.reader.pending().get(self.id):
+            return written
+        reader = make_reader(self.cfg.streams, self.output)
+        while entries := reader.read(count=256, block_s=0.0):
+            for entry in entries:
+                hop = getattr(entry.message, "metadata", {}).get("hops", {}).get(self.stage, {})
+                if hop.get("worker") == self.id and "entry" in hop:
+                    written[hop["entry"]] = entry.message.group_id
+        log.info(
+            "%s: restarted with pending entries; %d groups of ours are already written", self.id, len(written)
+        )
+        return written
 
     def _dead_letter(self, entry: Entry, error: str, counted: bool = False) -> None:
         log.warning("%s: entry %s moved to %s: %s", self.id, entry.id, DEAD_LETTER, error)

@@ -153,7 +153,19 @@ def test_kinds_need_what_they_use():
     assert "stage 'generate' (generate) writes the run's 'rollouts' stream" in only_problem(renamed)
     clash = graph(**{**WITH_FILTER, "actor": WITH_FILTER["short"]})
     clash.stages.pop("short")
-    assert "stage name 'actor' is a process name" in only_problem(clash, {"actor": {"replicas": 1}})
+    assert "stage name 'actor': its workers would be named like" in only_problem(
+        clash, {"actor": {"replicas": 1}}
+    )
+    for name in ("prep", "short1"):  # the preprocessors consume as prep<i>; short1 + 1 = short + 11
+        renamed = graph(**{**GRPO, name: WITH_FILTER["short"], "advantages": WITH_FILTER["advantages"]})
+        assert f"stage name {name!r}: its workers would be named like" in only_problem(
+            renamed, {name: {"replicas": 1}}
+        )
+    behind = graph(**{**GRPO, "late": {"kind": "map", "fn": "m:f", "inputs": ["training_data"], "outputs": ["late_data"]},
+                     "train": {"kind": "train_actor", "inputs": ["late_data"]}})  # fmt: skip
+    assert "stage 'train' (train_actor) reads the run's 'training_data' stream" in " ".join(
+        graph_problems(behind, {"late": StagePlacement(replicas=1)})
+    )
 
 
 def test_describe_prints_each_stage_upstream_first_with_where_it_runs():
@@ -189,3 +201,16 @@ def test_the_docs_recipe_adds_a_stage_by_merging_into_the_shipped_graph(tmp_path
     assert order(cfg.graph) == ["generate", "short", "advantages", "train"]
     assert cfg.graph.stages["advantages"].outputs == ["training_data"]  # the rest of the shipped stage
     assert cfg.graph.stages["short"].options == {"min_tokens": 3}
+
+
+def test_sync_mode_refuses_a_filter_that_drops_single_samples():
+    """A sync round generates exactly one step's groups; samples dropped from a group cannot be replaced,
+    so the step would never fill. A group filter frees the group's place and is fine."""
+    sample_filter = "graph.stages.short={kind: filter, fn: 'm:f', inputs: [rollouts], outputs: [kept]}"
+    placed = ("graph.stages.advantages.inputs=[kept]", "placement.stages.short={inside: advantages}")
+    with pytest.raises(
+        ConfigError, match="stage 'short' drops single samples, which mode=sync cannot refill"
+    ):
+        config("mode=sync", sample_filter, *placed)
+    config("mode=sync", sample_filter.replace("kind: filter", "kind: filter, level: group"), *placed)
+    config(sample_filter, *placed)  # pipelined: the actors keep generating
