@@ -92,6 +92,7 @@ class NodeShare:
             and self.trainer.num_machines == 1
             and len(self.actors) == cfg.actor.num_actors
             and len(self.preprocessors) == cfg.num_preprocessors
+            and self.stages == stage_workers(cfg)
         )
 
     def roles(self) -> set[str]:
@@ -387,7 +388,7 @@ def stage_processes(cfg: RunConfig, share: NodeShare) -> dict[str, str]:
         elif runtime == "trainer":
             out[name] = f"trainer ({share.ranks(cfg)} rank(s))" if share.trainer else "(another node)"
         else:
-            out[name] = names(host, list(range(placement[host].replicas or 0)))
+            out[name] = names(host, share.stages.get(host, []))
         if host != name:
             out[name] += f", inside {host}"
     return out

@@ -54,7 +54,6 @@ from pathlib import Path
 from pipeline_rl.config import RunConfig, load_run_config
 from pipeline_rl.ledger import DUPLICATE, MALFORMED, LedgerWriter
 from pipeline_rl.messages import (
-    DeadLetter,
     PreprocessorProgress,
     RolloutGroup,
     StatsRecord,
@@ -68,7 +67,7 @@ from pipeline_rl.preprocess.ops import (
     pack_micro_batches,
 )
 from pipeline_rl.stages.chain import Chain
-from pipeline_rl.stages.common import last_progress, ledger_drops
+from pipeline_rl.stages.common import dead_letter, last_progress, ledger_drops
 from pipeline_rl.stages.graph import host_input, stages_of_kind
 from pipeline_rl.streams import (
     DEAD_LETTER,
@@ -238,9 +237,7 @@ class Preprocessor:
             self._seen.popitem(last=False)
 
     def _dead_letter(self, entry: Entry, error: str, counted: bool = False) -> None:
-        log.warning("%s: entry %s moved to %s: %s", self.id, entry.id, DEAD_LETTER, error)
-        raw = json.dumps(entry.message.model_dump(mode="json"))[:4096]
-        self.dead_letters.write(DeadLetter(topic=self.topic, stream_id=entry.id, error=error, raw=raw))
+        dead_letter(self.dead_letters, self.id, self.topic, entry, error)
         if not counted:
             self.totals.groups_in += 1
         self.totals.groups_dropped += 1  # consumed: actors must not wait for it

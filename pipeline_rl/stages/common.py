@@ -6,12 +6,14 @@ ledger_drops(ledger, outcome.dropped, group_id)
 
 from __future__ import annotations
 
+import json
 import logging
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.ledger import LedgerWriter
-from pipeline_rl.messages import PreprocessorProgress, decode_message
-from pipeline_rl.streams import TRAINER_EVENTS, open_store
+from pipeline_rl.messages import DeadLetter, PreprocessorProgress, decode_message
+from pipeline_rl.streams import DEAD_LETTER, TRAINER_EVENTS, Entry, open_store
+from pipeline_rl.streams.base import Writer
 
 log = logging.getLogger("pipeline_rl.stages")
 
@@ -40,3 +42,10 @@ def ledger_drops(ledger: LedgerWriter, dropped: dict[str, str], group_id: str) -
         by_reason.setdefault(reason, []).append(sample_id)
     for reason, ids in by_reason.items():
         ledger.dropped(reason, ids, group=group_id)
+
+
+def dead_letter(writer: Writer, consumer_id: str, topic: str, entry: Entry, error: str) -> None:
+    """Move an entry its reader cannot use to the dead letters (the caller counts it and acks it)."""
+    log.warning("%s: entry %s moved to %s: %s", consumer_id, entry.id, DEAD_LETTER, error)
+    raw = json.dumps(entry.message.model_dump(mode="json"))[:4096]
+    writer.write(DeadLetter(topic=topic, stream_id=entry.id, error=error, raw=raw))

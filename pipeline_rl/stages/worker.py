@@ -23,7 +23,6 @@ preprocessors' do.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import signal
@@ -35,9 +34,9 @@ from collections import OrderedDict
 from inference_shim.faults import fault_point
 from pipeline_rl.config import RunConfig, load_run_config
 from pipeline_rl.ledger import DUPLICATE, LedgerWriter
-from pipeline_rl.messages import DeadLetter, PreprocessorProgress, RolloutGroup, StatsRecord
+from pipeline_rl.messages import PreprocessorProgress, RolloutGroup, StatsRecord
 from pipeline_rl.stages.chain import Chain
-from pipeline_rl.stages.common import last_progress, ledger_drops
+from pipeline_rl.stages.common import dead_letter, last_progress, ledger_drops
 from pipeline_rl.stages.graph import host_input
 from pipeline_rl.streams import DEAD_LETTER, STATS, TRAINER_EVENTS, Entry, make_reader, make_writer
 
@@ -154,9 +153,7 @@ class StageWorker:
         return written
 
     def _dead_letter(self, entry: Entry, error: str, counted: bool = False) -> None:
-        log.warning("%s: entry %s moved to %s: %s", self.id, entry.id, DEAD_LETTER, error)
-        raw = json.dumps(entry.message.model_dump(mode="json"))[:4096]
-        self.dead_letters.write(DeadLetter(topic=self.topic, stream_id=entry.id, error=error, raw=raw))
+        dead_letter(self.dead_letters, self.id, self.topic, entry, error)
         if not counted:
             self.groups_in += 1
         self.groups_dropped += 1
