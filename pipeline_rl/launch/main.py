@@ -36,8 +36,8 @@ from inference_shim.procs import free_port
 from pipeline_rl.launch.compose import ConfigError, compose
 from pipeline_rl.launch.plan import (  # noqa: F401 - re-exported: the launcher's public names
     NodeShare,
-    launch_roles,
     local_share,
+    parse_roles,
     place_cores,
     place_gpus,
     plan,
@@ -79,18 +79,6 @@ def _preflight(cfg, shares: list[NodeShare], dry_run: bool):
         return cfg
 
 
-def _roles(arg: str | None, cfg) -> set[str]:
-    """The roles --roles asks for (all of the run's when unset); ConfigError naming the run's roles."""
-    allowed = launch_roles(cfg)
-    if arg is None:
-        return set(allowed)
-    roles = {r.strip() for r in arg.split(",") if r.strip()}
-    unknown = roles - set(allowed)
-    if unknown:
-        raise ConfigError(f"unknown roles {sorted(unknown)}; this run's roles: {', '.join(allowed)}")
-    return roles
-
-
 def _cluster_main(args: argparse.Namespace, status_port: int) -> None:
     from pipeline_rl.launch.cluster import REDIS_PASSWORD_ENV, cluster_config, load_cluster, node_share
 
@@ -99,7 +87,7 @@ def _cluster_main(args: argparse.Namespace, status_port: int) -> None:
     try:
         spec = load_cluster(args.cluster)
         cfg = cluster_config(spec, args.overrides, dict(os.environ), need_secrets=not args.dry_run)
-        roles = _roles(args.roles, cfg)
+        roles = parse_roles(args.roles, cfg)
         names = [args.node] if args.node and not args.dry_run else [h.name for h in spec.hosts]
         shares = {name: node_share(spec, cfg, name).restrict(roles) for name in names}
         cfg = _preflight(cfg, list(shares.values()), args.dry_run)
@@ -190,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         if not cfg.trainer.resume and cfg.run_dir == "runs/latest":
             cfg = cfg.model_copy(update={"run_dir": f"runs/{time.strftime('%Y%m%d-%H%M%S')}"})
         run_dir = Path(cfg.run_dir).resolve()
-        roles = _roles(args.roles, cfg)
+        roles = parse_roles(args.roles, cfg)
         cfg = resolve(_preflight(cfg, [local_share(cfg, roles)], args.dry_run), run_dir, roles)
         share = local_share(cfg, roles)
         specs = plan(cfg, run_dir, share)  # GPU placement errors surface here, before anything starts

@@ -119,6 +119,18 @@ def single_host_env(cfg: RunConfig) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
+def parse_roles(arg: str | None, cfg: RunConfig) -> set[str]:
+    """The roles --roles asks for (all of the run's when unset); ConfigError naming the run's roles."""
+    allowed = launch_roles(cfg)
+    if arg is None:
+        return set(allowed)
+    roles = {r.strip() for r in arg.split(",") if r.strip()}
+    unknown = roles - set(allowed)
+    if unknown:
+        raise ConfigError(f"unknown roles {sorted(unknown)}; this run's roles: {', '.join(allowed)}")
+    return roles
+
+
 def stage_workers(cfg: RunConfig) -> dict[str, list[int]]:
     """User stage -> indices of its workers, for the stages with workers of their own."""
     return {

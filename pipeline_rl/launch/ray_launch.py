@@ -52,6 +52,7 @@ import yaml
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.cluster import API_KEY_ENV, CLUSTER_KEYS, REDIS_PASSWORD_ENV, TOKEN_ENV
 from pipeline_rl.launch.compose import ConfigError, compose
+from pipeline_rl.launch.plan import parse_roles
 from pipeline_rl.launch.runner import TRAINER_FINISHED
 
 RAY_NAMESPACE = "pipeline-rl"
@@ -254,6 +255,7 @@ class RayJob:
         self.roles_arg = roles_arg
         self.progress_every = progress_every
         self.cfg = compose(overrides)
+        parse_roles(roles_arg, self.cfg)  # a typo fails here, before any node is reserved
         self.ray = _ray()
         self.pg = None
         self.actors: dict[str, object] = {}  # node name -> actor handle

@@ -81,3 +81,18 @@ def test_a_stage_function_that_cannot_run_is_refused_at_startup():
     )
     (problem,) = stage_problems(bad_option)
     assert "cannot take (sample, group, **options) with options ['min_tokenz']" in problem
+
+
+def test_roles_are_the_runs_own():
+    import pytest
+
+    from pipeline_rl.launch.compose import ConfigError
+    from pipeline_rl.launch.plan import parse_roles
+
+    cfg = config()
+    assert parse_roles(None, cfg) == {"redis", "servers", "trainer", "preprocessors", "actors"}
+    assert parse_roles("servers, trainer", cfg) == {"servers", "trainer"}
+    with pytest.raises(ConfigError, match=r"unknown roles \['stages'\]; this run's roles: redis, servers"):
+        parse_roles("servers,stages", cfg)  # no stage with workers of its own in this run
+    staged = config(FILTER, "graph.stages.advantages.inputs=[kept]", "placement.stages.short={replicas: 1}")
+    assert parse_roles("stages", staged) == {"stages"}
