@@ -13,6 +13,7 @@ is one dictionary lookup on an empty dict. Points in the code:
     checkpoint.write   trainer rank 0, a checkpoint's files written but not yet published
     server.received    inference server, an update received but not yet applied
     actor.carried      actor (partial rollouts), a round's group carried or written, its old entry not acked
+    stage.written      a user stage's worker, a group written to its output, its input entry not acked
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
     pipeline-rl eval MODEL... [key=value ...] [--samples K]  held-out scores of checkpoints or runs
     pipeline-rl fleet list|add|remove [URL] --run-dir RUN    servers of a running job
     pipeline-rl export RUN_OR_CHECKPOINT (--merged OUT | --adapter OUT) [--base DIR]   a standalone model
-    pipeline-rl actor|preprocess|train --config RUN/config.json ...   one process (launcher uses these)
+    pipeline-rl actor|preprocess|stage|train --config RUN/config.json ...   one process (launcher uses these)
     pipeline-rl --help
 
 Heavy modules (torch, vLLM) are imported inside the subcommand that needs them, so --help is instant.
@@ -126,7 +126,7 @@ def _run_export(args: argparse.Namespace) -> None:
 # Subcommands whose module parses its own arguments: name -> (help, "module:function(argv)").
 PASSTHROUGH = {
     "launch": (
-        "start a whole run: redis, servers, trainer, preprocessors, actors",
+        "start a whole run: redis, servers and the graph's stages (actors, preprocessors, trainer, ...)",
         "pipeline_rl.launch.main:main",
     ),
     "demo": (
@@ -135,6 +135,10 @@ PASSTHROUGH = {
     ),
     "actor": ("one actor process (started by the launcher)", "pipeline_rl.actor.main:main"),
     "preprocess": ("one preprocessor process (started by the launcher)", "pipeline_rl.preprocess.main:main"),
+    "stage": (
+        "one worker of a user stage of the graph (started by the launcher)",
+        "pipeline_rl.stages.worker:main",
+    ),
     "train": (
         "one trainer rank (run under accelerate launch by the launcher)",
         "pipeline_rl.trainer.main:main",

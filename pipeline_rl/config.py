@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline_rl.algo_config import AlgoConfig
 from pipeline_rl.preprocess.ops import PreprocessConfig
+from pipeline_rl.stages.graph import GraphConfig, StagePlacement, graph_problems
 from pipeline_rl.streams import StreamsConfig
 from pipeline_rl.streams.config import redact_url
 from pipeline_rl.tasks import RewardConfig, TaskConfig
@@ -267,6 +268,12 @@ class PlacementConfig(_Section):
         "the server's HTTP and scheduler processes float over the node's cores like actors and "
         "preprocessors, and use the trainer's core while it waits.",
     )
+    stages: dict[str, StagePlacement] = Field(
+        default_factory=dict,
+        description="Where each stage of a user-added kind (filter, map, score, reference) runs: "
+        "{replicas: N} worker processes of its own, or {inside: <stage>} inside that stage's process. The "
+        "builtin stages run where their sections say (actor.num_actors, num_preprocessors, trainer).",
+    )
 
 
 class RestartPolicy(_Section):
@@ -299,6 +306,10 @@ class SupervisionConfig(_Section):
     actor: RestartPolicy = Field(default_factory=RestartPolicy, description="Restart policy of each actor.")
     preprocessor: RestartPolicy = Field(
         default_factory=RestartPolicy, description="Restart policy of each preprocessor."
+    )
+    stage: RestartPolicy = Field(
+        default_factory=RestartPolicy,
+        description="Restart policy of each worker of a user stage (placement.stages.<name>.replicas).",
     )
     redis: RestartPolicy = Field(
         default_factory=RestartPolicy, description="Restart policy of the launcher's private Redis."
@@ -341,12 +352,23 @@ class RunConfig(_Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    graph: GraphConfig = Field(default_factory=GraphConfig)
     secrets_file: str | None = Field(
         None, description="Set by the launcher: the 0600 file holding the token and Redis password."
     )
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
+        problems = graph_problems(self.graph, self.placement.stages)
+        if self.mode == "sync":
+            problems += [
+                f"stage {name!r} drops single samples, which mode=sync cannot refill (a round generates exactly "
+                "one step's groups): make it a group filter (level: group) or use mode=pipeline"
+                for name, s in self.graph.stages.items()
+                if s.kind == "filter" and s.level == "sample"
+            ]
+        if problems:
+            raise ValueError(f"graph {self.graph.name!r} cannot run: " + "; ".join(problems))
         if self.eval.max_tokens is None:  # here, not as a field default: it follows actor.max_tokens
             self.eval = self.eval.model_copy(update={"max_tokens": self.actor.max_tokens})
         length = self.inference.max_model_len  # None until the launcher reads the checkpoint's (resolve)

@@ -12,6 +12,7 @@ which never overlap in time):
                                   {"event": "carried", "group": G, "ids": [...]}   partial rollouts: a
                                   round cut these answers; written before the `carried` stream write
     prep<i>-<boot>.jsonl          {"event": "dropped", "reason": R, "group": G, "ids": [...]}   before the ack
+    <stage><i>-<boot>.jsonl       the same, from a worker of a user stage of the graph (docs/graph.md)
     trainer.jsonl                 {"event": "trained", "step": S, "ids": [...]}
                                   {"event": "dropped", "reason": "too_stale", "step": S, "ids": [...]}
                                   {"event": "resume", "step": S}   written at every trainer start
@@ -56,13 +57,16 @@ Drop reasons: filtered (all rewards equal: DAPO dynamic sampling), too_long (lon
 preprocess.seq_length with overlong=drop, or a prompt that fills it), untrainable (no token left to train
 on, e.g. every completion id outside the vocabulary), malformed (a group the preprocessor could not
 convert: dead-lettered), too_stale (older than actor.max_lag versions when the trainer got to it),
-duplicate (a second stream entry of a group already taken: a copy, it does not count in the balance).
+duplicate (a second stream entry of a group already taken: a copy, it does not count in the balance),
+and `<stage>:<reason>` for a user stage of the graph (a filter's reason, or `<stage>:error` when its
+function raised).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,6 +87,8 @@ TOO_STALE = "too_stale"
 DUPLICATE = "duplicate"
 REWARD_FAILED = "reward_failed"  # the user's reward (task.reward) raised, hung or gave no finite number
 REASONS = (FILTERED, TOO_LONG, UNTRAINABLE, MALFORMED, TOO_STALE, DUPLICATE, REWARD_FAILED)
+# A user stage's drop (stages/chain.py): the stage's name, then the reason its function gave.
+STAGE_REASON = re.compile(r"[a-z][a-z0-9_]*:[A-Za-z0-9_]+", re.ASCII)
 
 
 def ledger_dir(run_dir: str | Path) -> Path:
@@ -121,8 +127,8 @@ class LedgerWriter:
         step: int | None = None,
         detail: str | None = None,
     ) -> None:
-        if reason not in REASONS:
-            raise ValueError(f"unknown drop reason {reason!r}; one of {REASONS}")
+        if reason not in REASONS and not STAGE_REASON.fullmatch(reason):
+            raise ValueError(f"unknown drop reason {reason!r}; one of {REASONS}, or <stage>:<reason>")
         record: dict[str, Any] = {"event": "dropped", "reason": reason, "ids": ids}
         if group is not None:
             record["group"] = group

@@ -170,7 +170,8 @@ class TrainingPackage(BaseModel):
 
 
 class PreprocessorProgress(BaseModel):
-    """Published on trainer_events by each preprocessor: totals since the run started.
+    """Published on trainer_events by each preprocessor, and by each worker of a user stage of the graph
+    (under id `<stage><index>`): totals since the run started.
 
     Actors count consumed groups as (groups trained) + (groups dropped here), so dropped groups
     (e.g. DAPO dynamic sampling) never leave the actors waiting for a backlog that cannot drain.

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError, compose
-from pipeline_rl.launch.plan import NodeShare
+from pipeline_rl.launch.plan import NodeShare, stage_workers
 from pipeline_rl.launch.trainer_cmd import Rendezvous
 
 TOKEN_ENV = "PIPELINE_RL_TOKEN"
@@ -312,6 +312,8 @@ def node_share(spec: ClusterSpec, cfg: RunConfig, name: str) -> NodeShare:
         trainer=rendezvous,
         preprocessors=mine["preprocessors"],
         actors=mine["actors"],
+        # A user stage's own workers run beside the first preprocessor (stream consumers alike).
+        stages=stage_workers(cfg) if 0 in mine["preprocessors"] else {},
         redis=(host.address, host.redis_port) if host.redis_port is not None else None,
         env=env,
         cores=list(range(host.cores)) if host.cores else None,

@@ -1,7 +1,8 @@
 """Where a run's untrained samples wait, read by the launcher at a clean stop (before Redis stops):
 the places of the ledger's positive accounting (pipeline_rl/ledger.py, "Positive accounting").
 
-    rollouts (not acknowledged by the preprocessors)   pending or undelivered group entries
+    rollouts (not acknowledged by the preprocessors)   pending or undelivered group entries (and the
+                                                      same for every topic a user stage's workers read)
     carried (not acknowledged by the actor)           answers a sync round cut (partial rollouts)
     training_data/<r> (after rank r's checkpoint)       packages the rank had not read when it saved
     trainer rank <r> checkpoint (read, not trained)     packages its last checkpoint holds in its buffer
@@ -20,7 +21,8 @@ from pipeline_rl.ledger import CARRIED_PLACE, write_locations
 from pipeline_rl.messages import CarriedGroup, RolloutGroup, TrainingPackage
 from pipeline_rl.preprocess.main import GROUP as PREPROCESS_GROUP
 from pipeline_rl.preprocess.ops import is_padding
-from pipeline_rl.streams import CARRIED, CARRY_GROUP, ROLLOUTS, open_store, training_partition
+from pipeline_rl.stages.graph import RUNTIME, stream_consumers
+from pipeline_rl.streams import CARRIED, CARRY_GROUP, open_store, training_partition
 from pipeline_rl.streams.base import decode_entry
 
 
@@ -67,10 +69,16 @@ def snapshot_locations(cfg: RunConfig, run_dir: Path) -> Path:
 
     places: dict[str, list[str]] = {}
     unknown: list[str] = []
-    try:
-        places[f"{ROLLOUTS} (not acknowledged by the preprocessors)"] = _stream_ids(cfg, ROLLOUTS, "unacked")
-    except Exception as e:  # noqa: BLE001 - named in the report instead
-        unknown.append(f"{ROLLOUTS}: {type(e).__name__}: {e}")
+    for stage, topic in stream_consumers(cfg.graph, cfg.placement.stages):
+        # The preprocessors' consumer group keeps its name; a user stage's workers are the stage's group.
+        advantages = RUNTIME[cfg.graph.stages[stage].kind] == "preprocessor"
+        group, readers = (PREPROCESS_GROUP, "the preprocessors") if advantages else (stage, f"stage {stage}")
+        try:
+            places[f"{topic} (not acknowledged by {readers})"] = _stream_ids(
+                cfg, topic, "unacked", group=group
+            )
+        except Exception as e:  # noqa: BLE001 - named in the report instead
+            unknown.append(f"{topic}: {type(e).__name__}: {e}")
     if cfg.actor.round_tokens is not None:
         try:
             places[CARRIED_PLACE] = _stream_ids(cfg, CARRIED, "unacked", group=CARRY_GROUP)

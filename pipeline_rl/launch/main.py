@@ -35,9 +35,9 @@ from pathlib import Path
 from inference_shim.procs import free_port
 from pipeline_rl.launch.compose import ConfigError, compose
 from pipeline_rl.launch.plan import (  # noqa: F401 - re-exported: the launcher's public names
-    ROLES,
     NodeShare,
     local_share,
+    parse_roles,
     place_cores,
     place_gpus,
     plan,
@@ -79,7 +79,7 @@ def _preflight(cfg, shares: list[NodeShare], dry_run: bool):
         return cfg
 
 
-def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -> None:
+def _cluster_main(args: argparse.Namespace, status_port: int) -> None:
     from pipeline_rl.launch.cluster import REDIS_PASSWORD_ENV, cluster_config, load_cluster, node_share
 
     if not args.dry_run and not args.node:
@@ -87,6 +87,7 @@ def _cluster_main(args: argparse.Namespace, roles: set[str], status_port: int) -
     try:
         spec = load_cluster(args.cluster)
         cfg = cluster_config(spec, args.overrides, dict(os.environ), need_secrets=not args.dry_run)
+        roles = parse_roles(args.roles, cfg)
         names = [args.node] if args.node and not args.dry_run else [h.name for h in spec.hosts]
         shares = {name: node_share(spec, cfg, name).restrict(roles) for name in names}
         cfg = _preflight(cfg, list(shares.values()), args.dry_run)
@@ -116,7 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pipeline-rl launch", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="key=value or group=name (pipeline_rl/conf/)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    parser.add_argument("--roles", default=",".join(ROLES), help=f"subset of {','.join(ROLES)}")
+    parser.add_argument(
+        "--roles",
+        default=None,
+        help="only these roles, comma-separated (debugging): redis, servers, and the processes of the graph's "
+        "stages (actors, preprocessors, trainer, stages); --dry-run lists a run's. Default: all",
+    )
     parser.add_argument("--status-port", type=int, default=0, help="port of GET /status (0 = free port)")
     parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     parser.add_argument("--cluster", default=None, help="cluster file (YAML): the hosts and their roles")
@@ -147,10 +153,6 @@ def main(argv: list[str] | None = None) -> None:
         help="with --ray: servers serve on after training, until stopped",
     )
     args = parser.parse_intermixed_args(argv)  # options may follow the key=value overrides
-    roles = {r.strip() for r in args.roles.split(",") if r.strip()}
-    unknown = roles - set(ROLES)
-    if unknown:
-        sys.exit(f"error: unknown roles {sorted(unknown)}; allowed: {', '.join(ROLES)}")
     _warn_public_secrets(args.overrides)
     if args.ray:
         if args.cluster or args.node:
@@ -161,13 +163,13 @@ def main(argv: list[str] | None = None) -> None:
 
         args.cluster, args.overrides = ray_main(args)  # only a dry run returns: print its plan
         try:
-            _cluster_main(args, roles, 0)
+            _cluster_main(args, 0)
         finally:
             shutil.rmtree(Path(args.cluster).parent, ignore_errors=True)
         return
     status_port = args.status_port or free_port()
     if args.cluster:
-        _cluster_main(args, roles, status_port)
+        _cluster_main(args, status_port)
         return
     if args.node or args.rejoin:
         sys.exit("error: --node and --rejoin need --cluster FILE")
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         if not cfg.trainer.resume and cfg.run_dir == "runs/latest":
             cfg = cfg.model_copy(update={"run_dir": f"runs/{time.strftime('%Y%m%d-%H%M%S')}"})
         run_dir = Path(cfg.run_dir).resolve()
+        roles = parse_roles(args.roles, cfg)
         cfg = resolve(_preflight(cfg, [local_share(cfg, roles)], args.dry_run), run_dir, roles)
         share = local_share(cfg, roles)
         specs = plan(cfg, run_dir, share)  # GPU placement errors surface here, before anything starts

@@ -28,10 +28,24 @@ from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.compose import ConfigError
 from pipeline_rl.launch.processes import ProcessSpec
 from pipeline_rl.launch.trainer_cmd import Rendezvous, trainer_command
+from pipeline_rl.stages.graph import RUNTIME, describe, order, process_of
 from pipeline_rl.streams.config import redact_url
 
-ROLES = ("redis", "servers", "trainer", "preprocessors", "actors")
 PY = sys.executable
+# The launch role of each kind of process a stage runs in ("stages": a user stage's own workers).
+RUNTIME_ROLE = {"actor": "actors", "preprocessor": "preprocessors", "trainer": "trainer", "worker": "stages"}
+
+
+def launch_roles(cfg: RunConfig) -> list[str]:
+    """The roles a launch of `cfg` has, for --roles: Redis, the servers, then the graph's processes
+    downstream first (the order they start in)."""
+    roles = ["redis", "servers"]
+    for name in reversed(order(cfg.graph)):
+        host = process_of(cfg.graph, cfg.placement.stages, name)
+        role = RUNTIME_ROLE[RUNTIME[cfg.graph.stages[host].kind]]
+        if role not in roles:
+            roles.append(role)
+    return roles
 
 
 @dataclass
@@ -43,6 +57,7 @@ class NodeShare:
     trainer: Rendezvous | None = None
     preprocessors: list[int] = field(default_factory=list)
     actors: list[int] = field(default_factory=list)
+    stages: dict[str, list[int]] = field(default_factory=dict)  # user stage -> indices of its own workers
     redis: tuple[str, int | None] | None = None  # (bind address, port or None = free) of a Redis to start
     env: dict[str, str] = field(default_factory=dict)  # network settings every child of this node gets
     cores: list[int] | None = None  # None: this launcher's CPU affinity
@@ -61,6 +76,7 @@ class NodeShare:
             self.trainer if "trainer" in roles else None,
             self.preprocessors if "preprocessors" in roles else [],
             self.actors if "actors" in roles else [],
+            self.stages if "stages" in roles else {},
             self.redis if "redis" in roles else None,
             self.env, self.cores, self.num_gpus, self.evaluates, self.cluster,
         )  # fmt: skip
@@ -76,11 +92,12 @@ class NodeShare:
             and self.trainer.num_machines == 1
             and len(self.actors) == cfg.actor.num_actors
             and len(self.preprocessors) == cfg.num_preprocessors
+            and self.stages == stage_workers(cfg)
         )
 
     def roles(self) -> set[str]:
         present = {"servers": self.servers, "trainer": self.trainer, "redis": self.redis}
-        present |= {"preprocessors": self.preprocessors, "actors": self.actors}
+        present |= {"preprocessors": self.preprocessors, "actors": self.actors, "stages": self.stages}
         return {role for role, what in present.items() if what}
 
 
@@ -102,6 +119,25 @@ def single_host_env(cfg: RunConfig) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
+def parse_roles(arg: str | None, cfg: RunConfig) -> set[str]:
+    """The roles --roles asks for (all of the run's when unset); ConfigError naming the run's roles."""
+    allowed = launch_roles(cfg)
+    if arg is None:
+        return set(allowed)
+    roles = {r.strip() for r in arg.split(",") if r.strip()}
+    unknown = roles - set(allowed)
+    if unknown:
+        raise ConfigError(f"unknown roles {sorted(unknown)}; this run's roles: {', '.join(allowed)}")
+    return roles
+
+
+def stage_workers(cfg: RunConfig) -> dict[str, list[int]]:
+    """User stage -> indices of its workers, for the stages with workers of their own."""
+    return {
+        name: list(range(where.replicas)) for name, where in cfg.placement.stages.items() if where.replicas
+    }
+
+
 def local_share(cfg: RunConfig, roles: set[str]) -> NodeShare:
     """The share of a one-host launch: every process of the roles asked for."""
     own_redis = "redis" in roles and cfg.streams.backend == "redis" and not cfg.streams.redis_url
@@ -110,6 +146,7 @@ def local_share(cfg: RunConfig, roles: set[str]) -> NodeShare:
         trainer=Rendezvous() if "trainer" in roles else None,
         preprocessors=list(range(cfg.num_preprocessors)) if "preprocessors" in roles else [],
         actors=list(range(cfg.actor.num_actors)) if "actors" in roles else [],
+        stages=stage_workers(cfg) if "stages" in roles else {},
         redis=(cfg.streams.redis_bind, None) if own_redis else None,
         env=single_host_env(cfg),
         evaluates="servers" in roles and "actors" in roles,
@@ -270,14 +307,23 @@ def plan(cfg: RunConfig, run_dir: Path, share: NodeShare | set[str]) -> list[Pro
         argv = trainer_command(cfg, config_path, share.trainer)
         port = int(argv[argv.index("--main_process_port") + 1])
         specs.append(ProcessSpec("trainer", "trainer", argv, env, cores, port=port, gpus=gpus))
-    for role, command, indices in (
-        ("preprocessors", "preprocess", share.preprocessors),
-        ("actors", "actor", share.actors),
-    ):
-        for i in indices:
-            argv = [PY, "-m", "pipeline_rl.cli", command, "--config", config_path, "--index", str(i)]
+    # The graph's other processes, downstream first: the order they start in, so that a stage's reader
+    # is up before its writer.
+    for name in reversed(order(cfg.graph)):
+        runtime = RUNTIME[cfg.graph.stages[name].kind]
+        if runtime == "actor":
+            processes = [(f"actor{i}", ["actor", "--index", str(i)]) for i in share.actors]
+        elif runtime == "preprocessor":
+            processes = [(f"preprocessor{i}", ["preprocess", "--index", str(i)]) for i in share.preprocessors]
+        elif runtime == "worker":
+            indices = share.stages.get(name, [])
+            processes = [(f"{name}{i}", ["stage", "--stage", name, "--index", str(i)]) for i in indices]
+        else:  # the trainer's stages run in the trainer, planned above
+            continue
+        for process, command in processes:
+            argv = [PY, "-m", "pipeline_rl.cli", command[0], "--config", config_path, *command[1:]]
             env = {**platform_env, "OMP_NUM_THREADS": "1", **share.env}
-            specs.append(ProcessSpec(f"{role[:-1]}{i}", role, argv, env))
+            specs.append(ProcessSpec(process, RUNTIME_ROLE[runtime], argv, env))
     return specs
 
 
@@ -336,6 +382,30 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(parts)
 
 
+def stage_processes(cfg: RunConfig, share: NodeShare) -> dict[str, str]:
+    """Stage -> the processes of this node that run it, as --dry-run shows them."""
+
+    def names(prefix: str, indices: list[int]) -> str:
+        return f"{prefix}{_ranges(indices)}" if indices else "(another node)"
+
+    placement = cfg.placement.stages
+    out = {}
+    for name in cfg.graph.stages:
+        host = process_of(cfg.graph, placement, name)
+        runtime = RUNTIME[cfg.graph.stages[host].kind]
+        if runtime == "actor":
+            out[name] = names("actor", share.actors)
+        elif runtime == "preprocessor":
+            out[name] = names("preprocessor", share.preprocessors)
+        elif runtime == "trainer":
+            out[name] = f"trainer ({share.ranks(cfg)} rank(s))" if share.trainer else "(another node)"
+        else:
+            out[name] = names(host, share.stages.get(host, []))
+        if host != name:
+            out[name] += f", inside {host}"
+    return out
+
+
 def print_plan(
     cfg: RunConfig, specs: list[ProcessSpec], run_dir: Path, status_port: int | None, share: NodeShare
 ) -> None:
@@ -362,6 +432,9 @@ def print_plan(
     if cfg.platform == "gpu" and i.backend == "vllm":
         engine += [f"gpu_memory_utilization {i.gpu_memory_utilization}"]
     print(f"memory: trainer {', '.join(memory)}; engine {', '.join(engine)}")
+    print(f"graph: {cfg.graph.name}, objective {cfg.algo.name} (stages upstream first)")
+    for line in describe(cfg.graph, cfg.placement.stages, stage_processes(cfg, share)):
+        print(line)
     print(f"{'process':<16}{'role':<15}{'cores':<10} {'gpus':<9}{'port':<8}command")
     if share.redis is not None:
         where = redact_url(cfg.streams.redis_url) if cfg.streams.redis_url else "private redis-server"

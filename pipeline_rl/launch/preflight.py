@@ -118,6 +118,22 @@ def run_problems(cfg: RunConfig, share: NodeShare) -> list[str]:
         problems += task_problems(cfg)
     if share.trainer is not None:
         problems += tracking_problems(cfg)
+    if share.preprocessors or share.stages:
+        problems += stage_problems(cfg)
+    return problems
+
+
+def stage_problems(cfg: RunConfig) -> list[str]:
+    """The graph's user stages whose function does not import or cannot take the stage's options."""
+    from pipeline_rl.stages.chain import resolve_stage_fn
+
+    problems = []
+    for name, spec in cfg.graph.stages.items():
+        if spec.kind in ("filter", "map"):
+            try:
+                resolve_stage_fn(name, spec)
+            except ValueError as e:
+                problems.append(str(e))
     return problems
 
 

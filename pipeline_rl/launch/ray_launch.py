@@ -52,6 +52,7 @@ import yaml
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.cluster import API_KEY_ENV, CLUSTER_KEYS, REDIS_PASSWORD_ENV, TOKEN_ENV
 from pipeline_rl.launch.compose import ConfigError, compose
+from pipeline_rl.launch.plan import parse_roles
 from pipeline_rl.launch.runner import TRAINER_FINISHED
 
 RAY_NAMESPACE = "pipeline-rl"
@@ -247,13 +248,14 @@ class RayJob:
     """The driver: reserve, start each node's share, watch, restart a returning servers node, stop."""
 
     def __init__(
-        self, options: RayOptions, overrides: list[str], roles_arg: str, progress_every: float
+        self, options: RayOptions, overrides: list[str], roles_arg: str | None, progress_every: float
     ) -> None:
         self.options = options
         self.overrides = overrides
         self.roles_arg = roles_arg
         self.progress_every = progress_every
         self.cfg = compose(overrides)
+        parse_roles(roles_arg, self.cfg)  # a typo fails here, before any node is reserved
         self.ray = _ray()
         self.pg = None
         self.actors: dict[str, object] = {}  # node name -> actor handle
@@ -364,7 +366,9 @@ class RayJob:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
             **amounts,
         ).remote()
-        argv = ["--cluster", str(cluster_path), "--node", r.node.name, "--roles", self.roles_arg]
+        argv = ["--cluster", str(cluster_path), "--node", r.node.name]
+        if self.roles_arg is not None:
+            argv += ["--roles", self.roles_arg]
         argv += [
             "--progress-every",
             str(self.progress_every),

@@ -135,7 +135,7 @@ class Launcher:
                 self._start(by_role["trainer"], env)
             if self.share.trainer or self.share.actors:
                 self._wait_trainer_joined()
-            self._start([s for s in specs if s.role in ("preprocessors", "actors")], env)
+            self._start([s for s in specs if s.role in ("stages", "preprocessors", "actors")], env)
             code = self._supervise()
             if code == 0 and self.share.evaluates:
                 self.evals.evaluate("after")
@@ -507,6 +507,7 @@ class Launcher:
         for role, grace_s in [
             ("actors", sup.stop_grace_s),
             ("trainer", sup.trainer_stop_s),
+            ("stages", sup.stop_grace_s),
             ("preprocessors", sup.stop_grace_s),
             ("servers", sup.stop_grace_s),
         ]:

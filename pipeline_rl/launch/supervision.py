@@ -6,12 +6,12 @@
     for name in sup.due(): ...restart it...               # each scheduled restart, once its wait is over
 
 Restartable roles and their policies (`supervision.<field>` in the config): servers (`server`), the
-trainer (`trainer`), actors (`actor`), preprocessors (`preprocessor`), the launcher's private Redis
-(`redis`). Each is restartable by design: a server comes back with --await-weights (503 until the
-trainer's next push gives it the current weights; the trainer re-admits it at a step boundary), the
+trainer (`trainer`), actors (`actor`), preprocessors (`preprocessor`), the workers of the graph's user
+stages (`stage`), the launcher's private Redis (`redis`). Each is restartable by design: a server comes
+back with --await-weights (503 until the trainer's next push gives it the current weights; the trainer re-admits it at a step boundary), the
 trainer resumes from its newest checkpoint (--resume; steps after it are redone, their samples come
 again from the streams' committed positions), an actor draws a new incarnation (fresh sample ids), a
-preprocessor gets its unacked entries back from its consumer group, Redis replays its append-only file.
+preprocessor or a stage worker gets its unacked entries back from its consumer group, Redis replays its append-only file.
 
 The budget is per process (actor0 dying does not spend actor1's), counted over the whole run; the wait
 doubles with each restart of that process, up to max_backoff_s, so a process that dies at once after
@@ -34,6 +34,7 @@ POLICY_FIELD = {
     "trainer": "trainer",
     "actors": "actor",
     "preprocessors": "preprocessor",
+    "stages": "stage",
     "redis": "redis",
 }
 # Flag each role's restarted command gets (a server must not serve its start-up weights; the trainer

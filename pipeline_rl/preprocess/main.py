@@ -2,8 +2,9 @@
 
     pipeline-rl preprocess --config RUN/config.json --index 0      # the launcher starts one per index
 
-It reads complete groups from `rollouts` as consumer `prep<index>` of the consumer group "preprocess"
-(several preprocessors share the work; each group goes to one of them), turns every group into training
+It reads complete groups from `rollouts` (or the topic the graph gives its first stage: docs/graph.md) as
+consumer `prep<index>` of the consumer group "preprocess" (several preprocessors share the work; each
+group goes to one of them), applies the graph's user stages placed inside it, turns every group into training
 samples (advantages, DAPO dynamic sampling, truncation: pipeline_rl.preprocess.ops), accumulates WHOLE
 groups until the batch holds at least trainer.batch_size samples (exactly batch_size when no sample was
 dropped), packs them into micro-batches of <= preprocess.seq_length tokens, spreads those over the
@@ -53,13 +54,11 @@ from pathlib import Path
 from pipeline_rl.config import RunConfig, load_run_config
 from pipeline_rl.ledger import DUPLICATE, MALFORMED, LedgerWriter
 from pipeline_rl.messages import (
-    DeadLetter,
     PreprocessorProgress,
     RolloutGroup,
     StatsRecord,
     TrainingPackage,
     TrainingSample,
-    decode_message,
 )
 from pipeline_rl.preprocess.ops import (
     PreprocessConfig,
@@ -67,15 +66,16 @@ from pipeline_rl.preprocess.ops import (
     convert_group,
     pack_micro_batches,
 )
+from pipeline_rl.stages.chain import Chain
+from pipeline_rl.stages.common import dead_letter, last_progress, ledger_drops
+from pipeline_rl.stages.graph import host_input, stages_of_kind
 from pipeline_rl.streams import (
     DEAD_LETTER,
-    ROLLOUTS,
     STATS,
     TRAINER_EVENTS,
     Entry,
     make_reader,
     make_writer,
-    open_store,
     training_partition,
 )
 
@@ -85,7 +85,6 @@ GROUP = "preprocess"  # consumer group of all preprocessors on `rollouts`
 READ_COUNT = 64  # most groups taken per read
 PROGRESS_EVERY_S = 1.0  # most frequent progress for changes other than drops, and stats rows
 HEARTBEAT_EVERY_S = 5.0  # progress + stats even when nothing changed
-RECOVER_EVENTS = 5000  # newest trainer_events searched for our own last totals after a restart
 SEEN_GROUPS = 200_000  # group ids remembered for duplicate detection (~100 bytes each)
 
 
@@ -132,7 +131,12 @@ class Preprocessor:
         self.num_ranks = cfg.trainer.num_processes
         self.batch_size = cfg.trainer.batch_size
         streams = cfg.streams
-        self.reader = make_reader(streams, ROLLOUTS, group=GROUP, consumer=self.id, claim_idle_s=None)
+        # The graph's user stages placed inside the advantages stage run here first, on what the first of
+        # them reads (rollouts in the shipped graphs).
+        (stage,) = stages_of_kind(cfg.graph, "advantages")
+        self.chain = Chain.inside(cfg.graph, cfg.placement.stages, stage)
+        self.topic = host_input(cfg.graph, cfg.placement.stages, stage)
+        self.reader = make_reader(streams, self.topic, group=GROUP, consumer=self.id, claim_idle_s=None)
         self.partitions = [make_writer(streams, training_partition(r)) for r in range(self.num_ranks)]
         self.events = make_writer(streams, TRAINER_EVENTS)
         self.stats = make_writer(streams, STATS)
@@ -152,7 +156,7 @@ class Preprocessor:
 
     # ------------------------------------------------------------------ main loop
     def run(self, stop: threading.Event) -> None:
-        log.info("%s: reading %s, writing %d partitions", self.id, ROLLOUTS, self.num_ranks)
+        log.info("%s: reading %s, writing %d partitions", self.id, self.topic, self.num_ranks)
         while not stop.is_set():
             self.poll(block_s=1.0)
         self.publish(force=True)
@@ -176,7 +180,7 @@ class Preprocessor:
     def _take(self, entry: Entry) -> None:
         message = entry.message
         if not isinstance(message, RolloutGroup):
-            self._dead_letter(entry, f"expected a rollout_group on {ROLLOUTS}, got {message.kind}")
+            self._dead_letter(entry, f"expected a rollout_group on {self.topic}, got {message.kind}")
             return
         group_id = message.group_id
         if group_id in self._seen:
@@ -203,17 +207,23 @@ class Preprocessor:
             return
         self._remember(group_id, entry.id)
         self.totals.groups_in += 1
+        outcome = self.chain.apply(message)
+        ledger_drops(self.ledger, outcome.dropped, group_id)  # before the ack / the package
+        if outcome.error is not None:
+            self._dead_letter(entry, outcome.error, counted=True)
+            return
+        if outcome.group is None:  # every sample dropped by a user stage: consumed, produces nothing
+            self.totals.groups_dropped += 1
+            self.reader.ack([entry.id])
+            return
+        message = outcome.group
         try:
             converted = convert_group(message, self.pcfg)
         except ValueError as err:  # malformed group (e.g. logprobs missing): bad data, not a crash
             self.ledger.dropped(MALFORMED, [s.sample_id for s in message.samples], group=group_id)
             self._dead_letter(entry, str(err), counted=True)
             return
-        by_reason: dict[str, list[str]] = {}
-        for sample_id, reason in converted.dropped.items():
-            by_reason.setdefault(reason, []).append(sample_id)
-        for reason, ids in by_reason.items():
-            self.ledger.dropped(reason, ids, group=group_id)  # before the ack / the package
+        ledger_drops(self.ledger, converted.dropped, group_id)  # before the ack / the package
         if not converted.samples:
             # Dynamic sampling (all rewards equal) or nothing trainable: consumed, produces nothing.
             self.totals.groups_dropped += 1
@@ -227,9 +237,7 @@ class Preprocessor:
             self._seen.popitem(last=False)
 
     def _dead_letter(self, entry: Entry, error: str, counted: bool = False) -> None:
-        log.warning("%s: entry %s moved to %s: %s", self.id, entry.id, DEAD_LETTER, error)
-        raw = json.dumps(entry.message.model_dump(mode="json"))[:4096]
-        self.dead_letters.write(DeadLetter(topic=ROLLOUTS, stream_id=entry.id, error=error, raw=raw))
+        dead_letter(self.dead_letters, self.id, self.topic, entry, error)
         if not counted:
             self.totals.groups_in += 1
         self.totals.groups_dropped += 1  # consumed: actors must not wait for it
@@ -320,16 +328,8 @@ class Preprocessor:
     # ------------------------------------------------------------------ restart recovery
     def _recover_totals(self) -> Totals:
         """Our last published totals, so that actors' accounting (latest value per id) never goes back."""
-        store = open_store(self.cfg.streams, TRAINER_EVENTS)
-        for _, payload in store.latest(RECOVER_EVENTS):
-            try:
-                message = decode_message(store.decode(payload)) if payload is not None else None
-            except Exception:  # noqa: BLE001 - malformed events are the consumers' business
-                continue
-            if isinstance(message, PreprocessorProgress) and message.preprocessor_id == self.id:
-                log.info("%s: continuing from published totals %s", self.id, message)
-                return Totals(message.groups_in, message.groups_dropped, message.samples_out)
-        return Totals()
+        last = last_progress(self.cfg, self.id)
+        return Totals(last.groups_in, last.groups_dropped, last.samples_out) if last else Totals()
 
     def _recover_written_groups(self) -> OrderedDict[str, str | None]:
         """group_id -> entry id of our packages already on the last partition, if we restarted with

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from support.training import packages_by_batch, read_all
 
+from inference_shim.faults import fired
 from inference_shim.openai_protocol import VersionSpan
 from pipeline_rl.config import RunConfig
 from pipeline_rl.launch.locations import snapshot_locations
@@ -363,6 +364,83 @@ def test_a_malformed_group_is_dead_lettered_counted_and_in_the_ledger(redis_serv
     assert ledger_summary(cfg.run_dir).dropped == {"malformed": ATTEMPTS}
 
 
+def all_short(group: RolloutGroup) -> RolloutGroup:
+    """The group with every completion cut to 2 tokens."""
+    samples = [
+        s.model_copy(
+            update={
+                "completion_token_ids": s.completion_token_ids[:2],
+                "completion_logprobs": s.completion_logprobs[:2],
+                "version_spans": [VersionSpan(version=s.version_spans[0].version, start=0, end=2)],
+            }
+        )
+        for s in group.samples
+    ]
+    return group.model_copy(update={"samples": samples})
+
+
+def with_stages(cfg: RunConfig, placement_of: dict | None = None, **stages: dict) -> RunConfig:
+    """cfg with user stages chained between `rollouts` and the advantages stage, all inside it unless
+    `placement_of` ({"stages": {...}}) places them."""
+    placement_of = placement_of or {}
+    graph = {
+        "name": "user",
+        "stages": {
+            "generate": {"kind": "generate", "outputs": ["rollouts"]},
+            "train": {"kind": "train_actor", "inputs": ["training_data"]},
+        },
+    }
+    topic = "rollouts"
+    for name, spec in stages.items():
+        graph["stages"][name] = {**spec, "inputs": [topic], "outputs": [f"after_{name}"]}
+        topic = f"after_{name}"
+    graph["stages"]["advantages"] = {"kind": "advantages", "inputs": [topic], "outputs": ["training_data"]}
+    placement = {"stages": {name: {"inside": "advantages"} for name in stages}, **placement_of}
+    return RunConfig.model_validate({**cfg.model_dump(), "graph": graph, "placement": placement})
+
+
+def test_user_stages_inside_the_preprocessor_drop_and_change_groups_and_the_ledger_names_them(
+    redis_server, tmp_path
+):
+    """The issue's example: a filter added by config alone. Its drops are in the ledger with the stage's
+    reason, a group it empties counts as dropped for the actors' gate, a map's rewards reach the
+    advantages, and a stage that raises dead-letters its group and the run goes on."""
+    base = make_cfg(redis_server.url, tmp_path, ranks=1, batch_size=4)
+    cfg = with_stages(
+        base,
+        short={"kind": "filter", "fn": "support.stage_fns:short_answers", "options": {"min_tokens": 5}},
+        double={"kind": "map", "fn": "support.stage_fns:double_rewards", "options": {"factor": 2.0}},
+    )
+    rng = random.Random(7)
+    groups = [make_group(i, rng) for i in range(11)] + [all_short(make_group(11, rng))]
+    short = {s.sample_id for g in groups for s in g.samples if len(s.completion_token_ids) < 5}
+    emptied = [g.group_id for g in groups if all(s.sample_id in short for s in g.samples)]
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups)
+    prep = Preprocessor(cfg, 0)
+    for _ in range(20):
+        prep.poll(block_s=0.0)
+    assert 0 < len(short) < 48 and emptied
+    ledger = ledger_summary(cfg.run_dir)
+    assert ledger.dropped == {"short:too_short": len(short)}
+    assert prep.totals.groups_dropped == len(emptied)
+    trained = {s.sample_id: s for b in packages_by_batch(cfg).values() for p in b.values() for mb in p.micro_batches
+               for s in mb if not is_padding(s)}  # fmt: skip
+    assert trained and not set(trained) & short
+    originals = {s.sample_id: s.reward for g in groups for s in g.samples}
+    assert all(s.reward == 2.0 * originals[s.sample_id] for s in trained.values())
+
+    cfg = with_stages(make_cfg(redis_server.url, tmp_path / "b", ranks=1), oops={"kind": "filter", "level": "group",
+                      "fn": "support.stage_fns:broken"})  # fmt: skip
+    make_writer(cfg.streams, ROLLOUTS).write(groups[0])
+    prep = Preprocessor(cfg, 0)
+    prep.poll(block_s=0.0)
+    dead = [m for m in read_all(cfg, DEAD_LETTER) if isinstance(m, DeadLetter)]
+    assert len(dead) == 1 and "stage oops" in dead[0].error and "a bug in the user's stage" in dead[0].error
+    assert ledger_summary(cfg.run_dir).dropped == {"oops:error": ATTEMPTS}
+    assert (prep.totals.groups_in, prep.totals.groups_dropped) == (1, 1)
+    assert make_writer(cfg.streams, ROLLOUTS).backlog(GROUP) == 0
+
+
 def test_cli_processes_share_the_stream_and_stop_on_sigterm(redis_server, tmp_path):
     cfg = make_cfg(redis_server.url, tmp_path)
     config_path = tmp_path / "config.json"
@@ -402,3 +480,89 @@ def test_cli_processes_share_the_stream_and_stop_on_sigterm(redis_server, tmp_pa
     check_complete_batches(cfg, batches)
     ids = [i for batch in batches.values() for i in trained_sample_ids(batch)]
     assert Counter(ids) == Counter(s.sample_id for g in groups for s in g.samples)
+
+
+def test_a_stage_with_workers_of_its_own_passes_each_group_on_once_through_a_kill_9(redis_server, tmp_path):
+    """Two workers of a filter stage (their own processes, the CLI the launcher starts) share `rollouts`;
+    one is SIGKILLed (fault stage.written) after writing a group on and before acking it, and restarts
+    with the same index, as the launcher restarts it. The restarted worker finds the group it wrote and
+    acks it without writing it again, so two preprocessors downstream cannot both train it: every sample
+    is trained exactly once or dropped with the stage's reason, and only the filter's drops count for
+    the actors' gate."""
+    cfg = with_stages(
+        make_cfg(redis_server.url, tmp_path, ranks=1, batch_size=4),
+        {"stages": {"short": {"replicas": 2}}},
+        short={"kind": "filter", "fn": "support.stage_fns:short_answers", "options": {"min_tokens": 3}},
+    )
+    config_path = tmp_path / "config.json"
+    config_path.write_text(cfg.model_dump_json())
+    rng = random.Random(8)
+    groups = [make_group(i, rng) for i in range(14)] + [all_short(make_group(i, rng)) for i in (14, 15)]
+    short = {s.sample_id for g in groups for s in g.samples if len(s.completion_token_ids) < 3}
+    faults = tmp_path / "faults"
+    tests = str(Path(__file__).parents[1])  # support.stage_fns, as a user's package on PYTHONPATH
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PIPELINE_RL_FAULTS="stage.written@3",
+        PIPELINE_RL_FAULTS_DIR=str(faults),
+        PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline_rl.cli",
+        "stage",
+        "--config",
+        str(config_path),
+        "--stage",
+        "short",
+        "--index",
+    ]
+
+    def start(i: int, boot: int) -> subprocess.Popen:
+        log = open(tmp_path / f"short{i}-{boot}.log", "w")  # noqa: SIM115 - the process writes it
+        return subprocess.Popen(argv + [str(i)], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    procs = {0: start(0, 0), 1: start(1, 0)}
+    make_writer(cfg.streams, ROLLOUTS).write_many(groups)
+    preps = [Preprocessor(cfg, 0), Preprocessor(cfg, 1)]
+    restarted = False
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            for i, proc in list(procs.items()):
+                if proc.poll() is not None and not restarted:
+                    assert proc.returncode == -signal.SIGKILL, proc.returncode
+                    procs[i], restarted = start(i, 1), True
+            for prep in preps:
+                prep.poll(block_s=0.1)
+            trained = [i for b in packages_by_batch(cfg).values() for i in trained_sample_ids(b)]
+            # What a preprocessor holds waits for a batch to fill (the stream ends before the last one).
+            held = [s.sample_id for p in preps for h in p.held for s in h.samples]
+            if restarted and len(trained) + len(held) + len(short) >= len(groups) * ATTEMPTS:
+                break
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(timeout=30)
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("short*.log"))
+    assert fired(faults) == ["stage.written"] and restarted, logs
+    assert [p.returncode for p in procs.values()] == [0, 0], logs
+    assert trained and Counter(trained + held) == Counter(
+        s.sample_id for g in groups for s in g.samples if s.sample_id not in short
+    )
+    ledger = ledger_summary(cfg.run_dir)
+    assert ledger.dropped["short:too_short"] == len(short)
+    assert "duplicate" not in ledger.dropped, ledger.dropped  # nothing was written twice
+    assert "was written before a restart; acking it" in logs
+    progress = {}
+    for m in read_all(cfg, TRAINER_EVENTS):
+        if isinstance(m, PreprocessorProgress):
+            progress[m.preprocessor_id] = m.groups_dropped
+    assert progress.get("short0", 0) + progress.get("short1", 0) == 2  # the two emptied groups
+    assert sum(p.totals.groups_dropped for p in preps) == 0
+    assert {"short0", "short1"} <= set(progress)  # both workers took part
+    assert make_writer(cfg.streams, ROLLOUTS).backlog("short") == 0
+    assert make_writer(cfg.streams, "after_short").backlog(GROUP) == sum(len(p.held) for p in preps)

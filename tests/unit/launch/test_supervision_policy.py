@@ -44,6 +44,7 @@ def test_supervisor_schedules_counts_per_process_and_gives_up_naming_the_role():
         "trainer": 0,
         "actors": 2,
         "preprocessors": 0,
+        "stages": 0,
         "redis": 0,
     }
     with pytest.raises(BudgetSpent) as err:
