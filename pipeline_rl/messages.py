@@ -182,6 +182,11 @@ class PreprocessorProgress(BaseModel):
     groups_in: int
     groups_dropped: int
     samples_out: int
+    samples_dropped: int = Field(
+        0,
+        description="Samples dropped from groups that went on (a filter's or the preprocessor's single "
+        "drops): a step then takes more groups, which the actors' lag limit counts (actor/gate.py).",
+    )
     time: float = Field(default_factory=time.time)
 
 

@@ -8,11 +8,13 @@ Names (all counts are groups; docs/actor.md has the same table):
     W = rollouts.total_written() (+ own writes since it was read), F = own groups in flight
     V = latest published WeightVersionEvent.version, V_floor = min(V, start version of own in-flight)
     T = latest groups_consumed, D = sum over preprocessors of latest groups_dropped, C = T + D
+    P = sum over preprocessors of latest samples_dropped (single samples dropped from groups that went
+        on: a user filter's, or one too long) / attempts, in groups
 
 Invariant. Start one more group only if
     F + 1 <= q
     W + F + R + 1 - C <= B                       (bounded buffer)
-    W + F + R + 1 - D <= G * (V_floor + L + 1)   (lag)
+    W + F + R + 1 - D - P <= G * (V_floor + L + 1)   (lag)
 
 Guarantees with one actor (R = 0), groups trained G per step in the order they were written:
   (1) Buffer: groups started (written or in flight) but not consumed never exceed B. Admission checks
@@ -24,6 +26,10 @@ Guarantees with one actor (R = 0), groups trained G per step in the order they w
       (or an older group) in flight, so its V_floor <= V_g, and it allowed at most G*(V_floor + L + 1)
       groups. So k <= G*(V_g + L + 1) and s = ceil(k / G) <= V_g + L + 1. Every drop counted at that
       admission belongs to a group already written, i.e. one ahead of g, so subtracting D is sound.
+      Counted in samples, the same argument holds with single drops: a step trains at least
+      batch_size = G * attempts samples, and the samples dropped from groups ahead of g (P * attempts)
+      do not take a place before it, so subtracting P is sound; without it, a filter that thins every
+      group would make each step take more than G groups and the actors would wait for good.
       V_floor matters because groups finish out of order: without it, groups started later at a newer
       version could overtake g and push it past its bound.
 V, C and D come from events published after the fact and W from an exact count: stale values only
@@ -56,6 +62,7 @@ class GateLimits:
     max_buffered: int  # B
     own_quota: int  # q
     others_reserve: int  # R
+    attempts: int = 1  # samples per group, to count single dropped samples (P) in groups
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> GateLimits:
@@ -73,7 +80,7 @@ class GateLimits:
                 f"({groups_per_step} groups per step): each actor must reserve room for the others' "
                 "in-flight groups. Raise actor.max_lag / actor.max_buffered_groups or use one actor."
             )
-        limits = cls(groups_per_step, lag, b, quota, (n - 1) * quota)
+        limits = cls(groups_per_step, lag, b, quota, (n - 1) * quota, a.attempts)
         if b - limits.others_reserve < groups_per_step:
             raise ActorError(
                 f"actor.max_buffered_groups={b} leaves fewer than one optimizer step ({groups_per_step} "
@@ -84,11 +91,19 @@ class GateLimits:
 
 
 def gate_block(
-    limits: GateLimits, *, written: int, in_flight: int, consumed: int, dropped: int, version_floor: int
+    limits: GateLimits,
+    *,
+    written: int,
+    in_flight: int,
+    consumed: int,
+    dropped: int,
+    version_floor: int,
+    samples_dropped: int = 0,
 ) -> Literal["lag", "buffer"] | None:
     """Why one more group may not start now (None: it may). See the module docstring for the rule."""
     started = written + in_flight + limits.others_reserve + 1  # including the new group
-    if started - dropped > limits.groups_per_step * (version_floor + limits.max_lag + 1):
+    thinned = samples_dropped / limits.attempts  # P
+    if started - dropped - thinned > limits.groups_per_step * (version_floor + limits.max_lag + 1):
         return "lag"
     if in_flight + 1 > limits.own_quota or started - consumed > limits.max_buffered:
         return "buffer"
@@ -102,6 +117,7 @@ class TrainerProgress:
     version: int = 0
     groups_trained: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    thinned: dict[str, int] = field(default_factory=dict)  # samples dropped from groups that went on
     servers: list[str] | None = None  # the servers that hold `version` (None: not said, every one)
 
     def apply(self, message: Any) -> None:
@@ -111,10 +127,15 @@ class TrainerProgress:
             self.servers = message.servers
         elif isinstance(message, PreprocessorProgress):
             self.dropped[message.preprocessor_id] = message.groups_dropped
+            self.thinned[message.preprocessor_id] = message.samples_dropped
 
     @property
     def groups_dropped(self) -> int:
         return sum(self.dropped.values())
+
+    @property
+    def samples_dropped(self) -> int:
+        return sum(self.thinned.values())
 
     @property
     def groups_consumed(self) -> int:

@@ -263,6 +263,7 @@ class Actor:
                 consumed=p.groups_consumed,
                 dropped=p.groups_dropped,
                 version_floor=floor,
+                samples_dropped=p.samples_dropped,
             )
             now = time.monotonic()
             if reason != blocked and blocked is not None:

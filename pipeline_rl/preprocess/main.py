@@ -104,6 +104,7 @@ class Totals:
     groups_in: int = 0
     groups_dropped: int = 0
     samples_out: int = 0
+    samples_dropped: int = 0  # single samples dropped from groups that went on (the actors' gate counts them)
     batches_out: int = 0
     last_batch: dict[str, float] = field(default_factory=dict)
 
@@ -151,7 +152,7 @@ class Preprocessor:
         # a restart (entry id None: a package written before packages carried entry ids).
         self._seen: OrderedDict[str, str | None] = self._recover_written_groups()
         self._recovered = set(self._seen)  # taken in a package before a restart, entry not acked yet
-        self._published: tuple[int, int, int] | None = None
+        self._published: tuple[int, ...] | None = None
         self._last_publish = -math.inf  # the first publish is due (time.monotonic() starts at boot)
 
     # ------------------------------------------------------------------ main loop
@@ -229,6 +230,7 @@ class Preprocessor:
             self.totals.groups_dropped += 1
             self.reader.ack([entry.id])
             return
+        self.totals.samples_dropped += len(outcome.dropped) + len(converted.dropped)
         self.held.append(_Held(entry.id, message, converted.samples))
 
     def _remember(self, group_id: str, entry_id: str) -> None:
@@ -298,9 +300,9 @@ class Preprocessor:
         """
         t = self.totals
         now = time.monotonic()
-        current = (t.groups_in, t.groups_dropped, t.samples_out)
+        current = (t.groups_in, t.groups_dropped, t.samples_out, t.samples_dropped)
         changed = current != self._published
-        new_drops = self._published is not None and t.groups_dropped != self._published[1]
+        new_drops = self._published is not None and current[1::2] != self._published[1::2]
         due = now - self._last_publish >= (PROGRESS_EVERY_S if changed else HEARTBEAT_EVERY_S)
         if not (force or due or new_drops):
             return
@@ -310,6 +312,7 @@ class Preprocessor:
                 groups_in=t.groups_in,
                 groups_dropped=t.groups_dropped,
                 samples_out=t.samples_out,
+                samples_dropped=t.samples_dropped,
             )
         )
         values: dict[str, float | int | str | None] = {
@@ -329,7 +332,9 @@ class Preprocessor:
     def _recover_totals(self) -> Totals:
         """Our last published totals, so that actors' accounting (latest value per id) never goes back."""
         last = last_progress(self.cfg, self.id)
-        return Totals(last.groups_in, last.groups_dropped, last.samples_out) if last else Totals()
+        if last is None:
+            return Totals()
+        return Totals(last.groups_in, last.groups_dropped, last.samples_out, last.samples_dropped)
 
     def _recover_written_groups(self) -> OrderedDict[str, str | None]:
         """group_id -> entry id of our packages already on the last partition, if we restarted with

@@ -72,10 +72,12 @@ class StageWorker:
         self.seen: OrderedDict[str, str] = OrderedDict()
         self.written = self._recover_written()  # input entry id -> group_id, written before a restart
         last = last_progress(cfg, self.id)
-        self.groups_in, self.groups_dropped, self.samples_out = (
-            (last.groups_in, last.groups_dropped, last.samples_out) if last else (0, 0, 0)
+        self.groups_in, self.groups_dropped, self.samples_out, self.samples_dropped = (
+            (last.groups_in, last.groups_dropped, last.samples_out, last.samples_dropped)
+            if last
+            else (0, 0, 0, 0)
         )
-        self._published: tuple[int, int, int] | None = None
+        self._published: tuple[int, ...] | None = None
         self._last_publish = -math.inf
 
     def run(self, stop: threading.Event) -> None:
@@ -133,6 +135,7 @@ class StageWorker:
         fault_point("stage.written")  # chaos tests: the group is written on, its entry not acked
         self.reader.ack([entry.id])
         self.samples_out += len(outcome.group.samples)
+        self.samples_dropped += len(outcome.dropped)
         return 1
 
     def _recover_written(self) -> dict[str, str]:
@@ -163,8 +166,8 @@ class StageWorker:
         """Progress when the counts changed (at once for drops: an actor may wait on them), at most every
         PROGRESS_EVERY_S otherwise, and a heartbeat every HEARTBEAT_EVERY_S."""
         now = time.monotonic()
-        current = (self.groups_in, self.groups_dropped, self.samples_out)
-        new_drops = self._published is not None and current[1] != self._published[1]
+        current = (self.groups_in, self.groups_dropped, self.samples_out, self.samples_dropped)
+        new_drops = self._published is not None and current[1::2] != self._published[1::2]
         due = now - self._last_publish >= (
             PROGRESS_EVERY_S if current != self._published else HEARTBEAT_EVERY_S
         )
@@ -176,6 +179,7 @@ class StageWorker:
                 groups_in=self.groups_in,
                 groups_dropped=self.groups_dropped,
                 samples_out=self.samples_out,
+                samples_dropped=self.samples_dropped,
             )
         )
         if force or due:

@@ -64,6 +64,25 @@ def test_gate_lag_and_buffer_limits() -> None:
     assert gate_block(shared, written=4, in_flight=0, consumed=0, dropped=0, version_floor=0) == "buffer"
 
 
+def test_single_dropped_samples_free_lag_room_in_group_equivalents() -> None:
+    """A filter that drops half of every group makes a step take twice G groups: without counting the
+    dropped samples (P = samples_dropped / attempts) the lag limit would stop the actors for good."""
+    limits = GateLimits(
+        groups_per_step=2, max_lag=2, max_buffered=8, own_quota=8, others_reserve=0, attempts=4
+    )
+    # Version 2 after 2 steps of 4 half-groups each: 10 written, 8 trained, 20 samples dropped (5 groups' worth).
+    state = {"written": 10, "in_flight": 0, "consumed": 8, "dropped": 0, "version_floor": 2}
+    assert gate_block(limits, **state) == "lag"  # 11 > 2 * (2 + 2 + 1): the stall a thinning filter caused
+    assert gate_block(limits, **state, samples_dropped=20) is None  # 11 - 5 <= 10
+    assert gate_block(limits, **state | {"written": 15}, samples_dropped=20) == "lag"  # 16 - 5 > 10
+    progress = TrainerProgress()
+    progress.apply(PreprocessorProgress(preprocessor_id="odd0", groups_in=10, groups_dropped=0, samples_out=20,
+                                        samples_dropped=20))  # fmt: skip
+    progress.apply(PreprocessorProgress(preprocessor_id="prep0", groups_in=10, groups_dropped=1, samples_out=16,
+                                        samples_dropped=2))  # fmt: skip
+    assert (progress.samples_dropped, progress.groups_dropped) == (22, 1)
+
+
 def test_gate_limits_from_config_share_budgets_between_actors() -> None:
     def limits(**actor) -> GateLimits:
         return GateLimits.from_config(_config("redis://unused", ["http://unused"], **actor))
